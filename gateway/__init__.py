@@ -1,0 +1,1 @@
+"""The gateway: OpenAI-compatible REST (SSE) and the public gRPC text API."""

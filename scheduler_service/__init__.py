@@ -1,0 +1,1 @@
+"""The scheduler service: the EngineCore loop (schedule -> execute -> update). Imports no torch."""

@@ -1,0 +1,1 @@
+"""Code shared by the three services: generated stubs, config, conversion, gRPC helpers."""

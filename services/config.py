@@ -1,0 +1,174 @@
+"""Frozen configuration dataclasses, validated on construction.
+
+One dataclass per concern; a service builds the ones it needs from its command
+line and passes them down whole. Nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct (services.default_model)
+GiB = 1 << 30
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a size such as 4GiB, 512MiB, 2G or 1073741824 into bytes.
+    A bare number below 1024 is read as GiB (`--kv-cache-memory 4` means 4 GiB)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size (try 4GiB, 512MiB or a byte count)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if not unit:
+        return int(number * GiB) if number < 1024 else int(number)
+    base = 1024 if "i" in unit else 1000
+    power = "bkmgt".index(unit[0]) if unit[0] != "b" else 0
+    return int(number * base**power) if unit[0] != "b" else int(number)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to serve and in what precision."""
+
+    # HF directory, or "default" for the embedded SmolLM2-135M-Instruct.
+    model: str = DEFAULT_MODEL
+    # Name the API serves it under; empty means derived from the directory.
+    served_model_name: str = ""
+    # Weight and activation dtype; bfloat16 is the fast default, float32 the exact one.
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    # Longest prompt + output; 0 means the model's own max_position_embeddings.
+    max_model_len: int = 0
+    # "auto" picks cuda when available, else cpu.
+    device: str = "auto"
+    # Seed for anything random at start (not per-request sampling).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model must name a directory or 'default'")
+        _require(self.dtype in ("bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
+        _require(self.max_model_len >= 0, "max_model_len must be >= 0 (0: the model's own)")
+        _require(
+            self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+            f"device must be auto, cpu or cuda[:N], not {self.device!r}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    # Tokens per KV block; the unit of allocation and of prefix caching.
+    block_size: int = 16
+    # Reuse KV blocks of identical prefixes across requests.
+    enable_prefix_caching: bool = True
+    # CPU: bytes the KV pool may take (checked against free RAM).
+    kv_cache_memory_bytes: int = 2 * GiB
+    # GPU: fraction of device memory for weights + activations + KV pool.
+    gpu_memory_utilization: float = 0.9
+    # Force the number of blocks (tests); 0 means decided by the memory handshake.
+    num_blocks_override: int = 0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size must be 1..128, a power of 2",
+        )
+        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        _require(self.num_blocks_override >= 0, "num_blocks_override must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and policy."""
+
+    # Most requests in one step (the running set's cap).
+    max_num_seqs: int = 256
+    # Token budget of one step: decode tokens plus prefill chunks.
+    max_num_batched_tokens: int = 2048
+    # A single prefill chunk takes at most this many tokens; 0 means no cap below the budget.
+    long_prefill_token_threshold: int = 0
+    # Chunked prefill: a prompt longer than the remaining budget is split across steps.
+    enable_chunked_prefill: bool = True
+    # "fcfs" serves in arrival order; "priority" by (priority, arrival).
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(
+            self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
+        )
+        _require(self.policy in ("fcfs", "priority"), f"unknown policy {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One model runner process."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    # Attention implementation: auto (triton on CUDA, cpu otherwise), triton, cpu or reference.
+    attention_backend: Literal["auto", "triton", "cpu", "reference"] = "auto"
+    # Intra-op threads for torch on CPU; 0 means all cores.
+    num_threads: int = 0
+    # Largest batch the runner prepares for (profiling on GPU, buffers on CPU).
+    max_num_batched_tokens: int = 2048
+    # Most requests in one step.
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        _require(
+            self.attention_backend in ("auto", "triton", "cpu", "reference"),
+            f"unknown attention backend {self.attention_backend!r}",
+        )
+        _require(self.num_threads >= 0, "num_threads must be >= 0")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The OpenAI REST front end and the public gRPC text API."""
+
+    # Address of the scheduler's EngineCore service.
+    scheduler_address: str = "127.0.0.1:50051"
+    # Model directory for the tokenizer and chat template ("default": the embedded model).
+    model: str = DEFAULT_MODEL
+    # Name clients must use in "model"; empty means what the scheduler reports.
+    served_model_name: str = ""
+    host: str = "127.0.0.1"
+    # HTTP port of the OpenAI API.
+    port: int = 8000
+    # Port of the TextGeneration gRPC API; 0 disables it.
+    grpc_port: int = 50052
+    # Bearer token clients must send; empty means no auth.
+    api_key: str = ""
+    # Requests in flight at once before new ones get 429.
+    max_queued_requests: int = 1024
+    # Origins allowed by CORS; empty means CORS off.
+    cors_allow_origins: tuple[str, ...] = ()
+    # Largest request body accepted, in bytes.
+    max_body_bytes: int = 32 << 20
+    # Seconds in-flight streams may take to finish on SIGTERM.
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(":" in self.scheduler_address, "scheduler_address must be host:port")
+        for name in ("port", "grpc_port"):
+            _require(0 <= getattr(self, name) <= 65535, f"{name} must be a TCP port")
+        _require(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
+        _require(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")

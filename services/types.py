@@ -1,0 +1,188 @@
+"""Domain objects that cross service boundaries.
+
+Each dataclass mirrors one protobuf message in protos/ field for field (same
+names), so `services.convert` can translate both ways generically. Services
+work with these objects; only the gRPC edges see protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended (values match tessera.v1.FinishReason)."""
+
+    UNSPECIFIED = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+    @property
+    def openai_name(self) -> str | None:
+        """The OpenAI `finish_reason` string; None while running."""
+        return {1: "stop", 2: "length", 3: "abort", 4: "error"}.get(int(self))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (vLLM semantics)."""
+
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0  # nucleus mass; 1 is off
+    top_k: int = 0  # 0 or -1 is off
+    min_p: float = 0.0  # relative probability floor; 0 is off
+    seed: int | None = None  # per-request generator seed
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens exist
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # top-k logprobs per sampled token; 0: only the sampled one
+    prompt_logprobs: int | None = None  # same, per prompt token
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", ">= 0")
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        _check(self.top_k >= -1, "top_k", "-1, 0 (off) or a positive integer")
+        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1")
+        _check(self.min_tokens >= 0, "min_tokens", ">= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"<= max_tokens ({self.max_tokens})",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(-2 <= getattr(self, name) <= 2, name, "in [-2, 2]")
+        _check(0 < self.repetition_penalty <= 100, "repetition_penalty", "in (0, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_LOGPROBS, name, f"in [0, {MAX_LOGPROBS}]")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative ids")
+        _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "keyed by token ids >= 0")
+        _check(
+            all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias", "in [-100, 100]"
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _check(ok: bool, name: str, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}")
+
+
+@dataclass(frozen=True, slots=True)
+class CudaIpcLocation:
+    """What torch needs to reopen a CUDA tensor in another process."""
+
+    device_index: int = 0
+    ipc_memory_handle: bytes = b""
+    storage_size_bytes: int = 0
+    storage_offset_bytes: int = 0
+    tensor_offset: int = 0
+    stride: tuple[int, ...] = ()
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMemoryLocation:
+    """A contiguous region of a POSIX shared-memory segment."""
+
+    name: str = ""
+    offset: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TensorHandle:
+    """A tensor by reference; exactly one location is set."""
+
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    cuda_ipc: CudaIpcLocation | None = None
+    shared_memory: SharedMemoryLocation | None = None
+    inline_bytes: bytes | None = None
+
+    def __post_init__(self) -> None:
+        locations = (self.cuda_ipc, self.shared_memory, self.inline_bytes)
+        if sum(loc is not None for loc in locations) != 1:
+            raise ValueError("a TensorHandle needs exactly one location")
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """One multimodal item filling placeholder tokens of the prompt."""
+
+    modality: str = "image"
+    offset: int = 0
+    length: int = 0
+    content_hash: str = ""
+    tensor: TensorHandle | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """A tokenized request, as the gateway sends it to the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str = ""
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one position."""
+
+    token_id: int = 0
+    logprob: float = 0.0
+    rank: int = 0
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestTimestamps:
+    """Milestones of a request in unix seconds (0: not yet)."""
+
+    queued: float = 0.0
+    scheduled: float = 0.0
+    first_token: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One update of one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    timestamps: RequestTimestamps = field(default_factory=RequestTimestamps)
+    error: str = ""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != FinishReason.UNSPECIFIED

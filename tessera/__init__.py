@@ -1,0 +1,1 @@
+"""Tessera: the CLI and the offline API."""

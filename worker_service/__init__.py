@@ -1,0 +1,1 @@
+"""The worker service: model runner, paged-attention models, sampler."""

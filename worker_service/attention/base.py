@@ -1,0 +1,69 @@
+"""The attention backend interface: paged KV writes and varlen paged attention.
+
+KV pools, one K and one V tensor per layer, are shaped
+`[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is
+`block_id * block_size + offset_in_block`. A step's batch is packed: the new
+tokens of all requests are concatenated along dim 0, request by request.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the model runner and shared by all layers."""
+
+    # [num_reqs + 1] int32: query_start_loc[i] is where request i's new tokens start.
+    query_start_loc: torch.Tensor
+    # [num_reqs] int32: tokens of request i with KV after this step (cached prefix + new).
+    seq_lens: torch.Tensor
+    # [num_reqs, max_blocks_per_req] int32: request i's block ids (padding unused).
+    block_table: torch.Tensor
+    # [num_tokens] int64: the slot each new token's K/V is written to.
+    slot_mapping: torch.Tensor
+    # Largest number of new tokens of one request in this step (1 for pure decode).
+    max_query_len: int
+    # Largest seq_lens entry.
+    max_seq_len: int
+    # Host copies of query lengths and seq lens, for backends that loop or bucket on the CPU.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(abc.ABC):
+    """Writes new K/V into the paged pool and attends causally over it."""
+
+    name: str = "base"
+
+    @abc.abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Store each token's K and V at its slot (in place)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attention of each new token over its request's KV (cached prefix + new tokens up to
+        and including itself), reading K/V only from the pool; GQA when num_heads > num_kv_heads.
+        Call after write_kv for the same step."""

@@ -1,0 +1,1 @@
+"""Llama-family models written for paged attention."""
