@@ -1,0 +1,65 @@
+"""The `tessera.v1.Worker` gRPC service around any WorkerProtocol implementation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from services.convert import from_proto, to_proto
+from services.grpc_utils import GrpcServer, Registration
+from services.pb import worker_pb2, worker_pb2_grpc
+from services.step_types import SchedulerOutput
+from services.worker_api import WorkerProtocol
+
+T = TypeVar("T")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Translates protos to domain calls; model work runs on one thread, one step at a time."""
+
+    def __init__(self, worker: WorkerProtocol, on_shutdown: Callable[[], None] | None = None):
+        self.worker = worker
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._on_shutdown = on_shutdown
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return to_proto(await self._run(self.worker.get_model_info), worker_pb2.ModelInfo)
+
+    async def GetKVCacheSpec(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return to_proto(await self._run(self.worker.get_kv_cache_spec), worker_pb2.KVCacheSpec)
+
+    async def DetermineAvailableMemory(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        available = await self._run(self.worker.determine_available_memory)
+        return worker_pb2.AvailableMemory(available_bytes=available)
+
+    async def InitializeCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        allocated = await self._run(self.worker.initialize_cache, request.num_blocks)
+        return worker_pb2.InitializeCacheResponse(allocated_bytes=allocated)
+
+    async def ExecuteModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        output = await self._run(self.worker.execute_model, from_proto(request, SchedulerOutput))
+        return to_proto(output, worker_pb2.ModelRunnerOutput)
+
+    async def Shutdown(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._run(self.worker.shutdown)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        return worker_pb2.ShutdownResponse()
+
+
+def build_server(address: str, worker: WorkerProtocol) -> GrpcServer:
+    """A gRPC server (health, reflection, error statuses) serving `worker` at `address`."""
+    servicer = WorkerServicer(worker)
+    return GrpcServer(
+        address,
+        [Registration("tessera.v1.Worker", worker_pb2_grpc.add_WorkerServicer_to_server, servicer)],
+    )
