@@ -1,0 +1,225 @@
+"""Every domain object survives domain -> proto -> bytes -> proto -> domain with all fields set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from google.protobuf.message import Message
+
+from services import convert
+from services.step_types import (
+    CachedRequestData,
+    KVCacheSpec,
+    ModelInfo,
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobs,
+    SampledTokens,
+    SchedulerOutput,
+    SchedulerStats,
+    ServerInfo,
+    WorkerTimings,
+)
+from services.types import (
+    CudaIpcLocation,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    MultiModalInput,
+    RequestTimestamps,
+    SamplingParams,
+    SharedMemoryLocation,
+    TensorHandle,
+    TokenLogprobs,
+)
+
+PARAMS = SamplingParams(
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    min_p=0.05,
+    seed=1234,
+    max_tokens=64,
+    min_tokens=2,
+    stop_token_ids=(7, 9),
+    ignore_eos=True,
+    presence_penalty=0.5,
+    frequency_penalty=-0.5,
+    repetition_penalty=1.1,
+    logit_bias={11: 2.5, 12: -100.0},
+    logprobs=3,
+    prompt_logprobs=1,
+)
+LOGPROBS = TokenLogprobs(
+    token_id=5, logprob=-0.25, rank=2, top_token_ids=[4, 5], top_logprobs=[-0.125, -0.25]
+)
+CUDA = TensorHandle(
+    dtype="bfloat16",
+    shape=(3, 224, 224),
+    cuda_ipc=CudaIpcLocation(
+        device_index=1,
+        ipc_memory_handle=b"\x01\x02",
+        storage_size_bytes=4096,
+        storage_offset_bytes=512,
+        tensor_offset=8,
+        stride=(50176, 224, 1),
+        ref_counter_handle=b"ref",
+        ref_counter_offset=16,
+        event_handle=b"evt",
+        event_sync_required=True,
+    ),
+)
+SHM = TensorHandle(
+    dtype="uint8", shape=(2, 2), shared_memory=SharedMemoryLocation("psm_1", 64, 4)
+)
+INLINE = TensorHandle(dtype="float32", shape=(1,), inline_bytes=b"\x00\x00\x80?")
+MM = MultiModalInput(modality="image", offset=3, length=64, content_hash="abc", tensor=CUDA)
+
+CASES: list[Any] = [
+    PARAMS,
+    CUDA,
+    SHM,
+    INLINE,
+    MM,
+    EngineCoreRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=PARAMS,
+        arrival_time=1700000000.5,
+        priority=-3,
+        cache_salt="tenant-a",
+        mm_inputs=[MM],
+    ),
+    EngineCoreOutput(
+        request_id="r1",
+        new_token_ids=[5],
+        new_logprobs=[LOGPROBS],
+        finish_reason=FinishReason.STOP,
+        stop_reason=7,
+        num_cached_tokens=32,
+        timestamps=RequestTimestamps(queued=1.5, scheduled=2.5, first_token=3.5),
+        error="boom",
+        prompt_logprobs=[LOGPROBS, LOGPROBS],
+    ),
+    SchedulerOutput(
+        step_id=9,
+        scheduled_new_reqs=[
+            NewRequestData(
+                request_id="a",
+                prompt_token_ids=[1, 2],
+                output_token_ids=[3],
+                sampling_params=PARAMS,
+                block_ids=[4, 5],
+                num_computed_tokens=16,
+                mm_inputs=[MM],
+                resumed_from_preemption=True,
+            )
+        ],
+        scheduled_cached_reqs=[
+            CachedRequestData(request_id="b", new_block_ids=[6], num_computed_tokens=17)
+        ],
+        num_scheduled_tokens={"a": 3, "b": 1},
+        total_num_scheduled_tokens=4,
+        finished_req_ids=["c"],
+        preempted_req_ids=["d"],
+    ),
+    ModelRunnerOutput(
+        step_id=9,
+        req_ids=["a", "b"],
+        sampled=[SampledTokens(token_ids=[8], logprobs=[LOGPROBS]), SampledTokens([9], [LOGPROBS])],
+        prompt_logprobs=[PromptLogprobs(request_id="a", start=1, logprobs=[LOGPROBS])],
+        timings=WorkerTimings(prepare_ms=0.5, forward_ms=10.25, sample_ms=0.75, total_ms=11.5),
+        request_errors={"e": "bad logit_bias"},
+    ),
+    ModelInfo(
+        model_name="m",
+        max_model_len=8192,
+        vocab_size=49152,
+        eos_token_ids=(2,),
+        architecture="LlamaForCausalLM",
+        dtype="bfloat16",
+        device="cpu",
+    ),
+    KVCacheSpec(
+        num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_size=16,
+        bytes_per_block=368640,
+    ),
+    ServerInfo(
+        model_name="m",
+        max_model_len=8192,
+        vocab_size=49152,
+        block_size=16,
+        num_blocks=1000,
+        eos_token_ids=(2,),
+        version="0.1.0",
+        protocol_version="1",
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+        num_workers=2,
+    ),
+    SchedulerStats(
+        num_running=3,
+        num_waiting=4,
+        num_blocks_total=100,
+        num_blocks_used=10,
+        kv_cache_usage=0.125,
+        prefix_cache_queries=50,
+        prefix_cache_hits=25,
+        num_preemptions=1,
+        num_steps=1000,
+        step_time_p50=0.015,
+        queue_time_p50=0.25,
+        num_finished=7,
+        healthy=True,
+    ),
+]
+MESSAGE_FOR = dict(convert.PAIRS)
+
+
+def _message_class(obj: Any) -> type[Message]:
+    return MESSAGE_FOR[type(obj)]
+
+
+def _assert_every_field_set(msg: Message) -> None:
+    """Every field (but the unused members of a oneof) is non-default, recursively."""
+    set_names = {fd.name for fd, _ in msg.ListFields()}
+    for fd in msg.DESCRIPTOR.fields:
+        if fd.containing_oneof is not None and msg.WhichOneof(fd.containing_oneof.name) != fd.name:
+            continue
+        assert fd.name in set_names, f"{msg.DESCRIPTOR.name}.{fd.name} was not set"
+    for fd, value in msg.ListFields():
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue
+        for item in value if fd.is_repeated else [value]:
+            _assert_every_field_set(item)
+
+
+@pytest.mark.parametrize("obj", CASES, ids=lambda o: type(o).__name__)
+def test_round_trip_with_all_fields_set(obj: Any) -> None:
+    message_cls = _message_class(obj)
+    msg = convert.to_proto(obj, message_cls)
+    _assert_every_field_set(msg)
+    wire = message_cls.FromString(msg.SerializeToString())
+    assert convert.from_proto(wire, type(obj)) == obj
+
+
+def test_every_pair_has_a_case() -> None:
+    covered = {type(c) for c in CASES}
+    assert {domain for domain, _ in convert.PAIRS} <= covered
+
+
+def test_unset_optional_fields_take_domain_defaults() -> None:
+    from services.pb import engine_pb2
+
+    params = convert.from_proto(engine_pb2.SamplingParams(), SamplingParams)
+    assert params.temperature == 1.0 and params.top_p == 1.0 and params.repetition_penalty == 1.0
+    assert params.max_tokens == 16 and params.seed is None and params.logprobs is None
+
+
+def test_mismatched_dataclass_is_a_clear_error() -> None:
+    from services.pb import engine_pb2
+
+    with pytest.raises(TypeError, match="has no field"):
+        convert.to_proto(LOGPROBS, engine_pb2.SamplingParams)
