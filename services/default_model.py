@@ -101,6 +101,7 @@ def _save_dequantized(model: Any, out: Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]
     model.config.quantization_config = None
     del model.config.quantization_config
     model.config.save_pretrained(out)
