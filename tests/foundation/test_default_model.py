@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ def test_converted_directory_is_a_plain_checkpoint(default_model_dir: Path) -> N
 def test_chat_template_renders_two_turns(default_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(default_model_dir)
     text = tokenizer.apply_chat_template(
         [
             {"role": "user", "content": "Hi there"},
@@ -44,7 +45,7 @@ def test_greedy_generate_knows_the_capital_of_france(default_model_dir: Path) ->
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(default_model_dir)
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
