@@ -1,0 +1,97 @@
+"""The model's HF tokenizer with its chat template, usable from asyncio without stalls.
+
+Free of HTTP concerns so the offline API can reuse it. Blocking methods do the
+work inline; the `*_async` variants run it on a small thread pool so one long
+prompt never stalls the event loop (the Rust tokenizer releases the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from services.default_model import resolve_model
+
+T = TypeVar("T")
+
+# One chat turn as the template sees it: {"role": ..., "content": ...}.
+ChatTurn = dict[str, Any]
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one model directory."""
+
+    def __init__(self, hf_tokenizer: Any, max_workers: int = 2) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+        self.vocab_size: int = len(hf_tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tokenize")
+
+    @classmethod
+    def load(cls, model: str | Path, max_workers: int = 2) -> Tokenizer:
+        """Load the tokenizer of `model` ("default", a served name or a directory)."""
+        from transformers import AutoTokenizer
+
+        path = resolve_model(str(model))
+        return cls(AutoTokenizer.from_pretrained(str(path)), max_workers)
+
+    def close(self) -> None:
+        """Stop the thread pool (pending work finishes first)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- blocking API ------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages: Sequence[ChatTurn], add_generation_prompt: bool = True) -> str:
+        """The chat rendered by the model's template, as text."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions")
+        text = self.hf.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return str(text)
+
+    def encode_chat(
+        self, messages: Sequence[ChatTurn], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat (the template already holds any BOS)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids` in one shot."""
+        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings of `token_ids` (byte-level symbols, not text)."""
+        return [str(t) for t in self.hf.convert_ids_to_tokens(list(token_ids))]
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (may hold U+FFFD for a partial character)."""
+        return str(self.hf.decode([token_id], skip_special_tokens=False))
+
+    def is_valid_id(self, token_id: int) -> bool:
+        return 0 <= token_id < self.vocab_size
+
+    # -- asyncio API -------------------------------------------------------------------
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the tokenizer pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.run(self.encode, text, add_special_tokens)
+
+    async def encode_chat_async(self, messages: Sequence[ChatTurn]) -> list[int]:
+        return await self.run(self.encode_chat, messages)
+
+    async def decode_async(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return await self.run(self.decode, token_ids, skip_special_tokens)
