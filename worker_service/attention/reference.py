@@ -1,0 +1,93 @@
+"""Reference attention backend: plain torch, one request at a time, slow and obviously right.
+
+It is the yardstick the fast backends are tested against. K/V are gathered from the
+paged pool through the block table, the causal mask is offset by the cached prefix,
+GQA repeats each kv head for its group of query heads, and softmax runs in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+
+
+def flat_pool(cache: torch.Tensor) -> torch.Tensor:
+    """View a `[num_blocks, block_size, kv_heads, head_dim]` pool as `[num_slots, kv_heads,
+    head_dim]` without copying (writes through the view land in the pool)."""
+    if not cache.is_contiguous():
+        raise ValueError("the KV pool must be contiguous")
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    return cache.view(num_blocks * block_size, kv_heads, head_dim)
+
+
+def request_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Slots of positions 0..seq_len-1 of one request, from its block-table row."""
+    positions = torch.arange(seq_len, device=block_row.device)  # [seq_len]
+    block_ids = block_row[positions // block_size].long()  # [seq_len]
+    return block_ids * block_size + positions % block_size
+
+
+def causal_attention(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim], float32
+    """Dense attention of the last q_len positions of a sequence over all its seq_len keys.
+
+    Query row j sits at absolute position seq_len - q_len + j and sees keys 0..that position.
+    Query head h reads kv head h // (num_heads // num_kv_heads).
+    """
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    key = key.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+    value = value.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale  # [heads, q_len, seq_len]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+    k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
+    hidden = k_pos[None, :] > q_pos[:, None]  # [q_len, seq_len]
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, value)
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    """Plain-torch paged attention; loops over requests on the host."""
+
+    name = "reference"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Store each token's K/V at its slot; tokens with a negative slot (padding) are skipped."""
+        keep = slot_mapping >= 0  # [num_tokens]
+        slots = slot_mapping[keep].long()
+        flat_pool(k_cache).index_copy_(0, slots, key[keep].to(k_cache.dtype))
+        flat_pool(v_cache).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        out = torch.empty_like(query)
+        block_size = k_cache.shape[1]
+        flat_k, flat_v = flat_pool(k_cache), flat_pool(v_cache)
+        start = 0
+        for i, (q_len, seq_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        ):
+            slots = request_slots(meta.block_table[i], seq_len, block_size)  # [seq_len]
+            rows = slice(start, start + q_len)
+            out[rows] = causal_attention(query[rows], flat_k[slots], flat_v[slots], scale)
+            start += q_len
+        return out
