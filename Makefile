@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench clean
+.PHONY: install proto model test test-fast lint serve clean
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -49,3 +49,7 @@ lint: install
 
 clean:
 	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)
+
+SERVE_ARGS ?=
+serve: install
+	$(VENV)/bin/tessera serve $(SERVE_ARGS)
