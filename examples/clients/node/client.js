@@ -1,0 +1,84 @@
+// A Tessera client in Node.js: loads the repository's .proto files, streams a chat
+// through the gateway's TextGeneration API and prints the scheduler's EngineCore info.
+//
+//   node client.js [--gateway 127.0.0.1:50052] [--scheduler 127.0.0.1:50051] [--prompt "..."]
+"use strict";
+
+const path = require("path");
+const grpc = require("@grpc/grpc-js");
+const protoLoader = require("@grpc/proto-loader");
+
+const PROTOS = path.resolve(__dirname, "../../../protos");
+
+function parseArgs(argv) {
+  const args = {
+    gateway: "127.0.0.1:50052",
+    scheduler: "127.0.0.1:50051",
+    prompt: "What is the capital of France?",
+    maxTokens: 32,
+  };
+  for (let i = 0; i < argv.length; i += 2) {
+    const key = argv[i].replace(/^--/, "").replace(/-([a-z])/g, (_, c) => c.toUpperCase());
+    args[key] = key === "maxTokens" ? Number(argv[i + 1]) : argv[i + 1];
+  }
+  return args;
+}
+
+function loadPackage() {
+  const definition = protoLoader.loadSync(["generate.proto", "engine.proto"], {
+    includeDirs: [PROTOS],
+    keepCase: true,
+    longs: Number,
+    enums: String,
+    defaults: true,
+  });
+  return grpc.loadPackageDefinition(definition).tessera.v1;
+}
+
+function streamChat(pkg, address, prompt, maxTokens) {
+  const client = new pkg.TextGeneration(address, grpc.credentials.createInsecure());
+  const request = {
+    messages: [{ role: "user", content: prompt }],
+    params: { max_tokens: maxTokens, temperature: 0 },
+  };
+  return new Promise((resolve, reject) => {
+    let text = "";
+    let finish = "";
+    const call = client.ChatStream(request);
+    call.on("data", (chunk) => {
+      text += chunk.text;
+      process.stdout.write(chunk.text);
+      if (chunk.finish_reason) finish = chunk.finish_reason;
+    });
+    call.on("error", reject);
+    call.on("end", () => {
+      process.stdout.write("\n");
+      client.close();
+      resolve({ text, finish });
+    });
+  });
+}
+
+function serverInfo(pkg, address) {
+  const client = new pkg.EngineCore(address, grpc.credentials.createInsecure());
+  return new Promise((resolve, reject) => {
+    client.GetServerInfo({}, (err, info) => {
+      client.close();
+      if (err) reject(err);
+      else resolve(info);
+    });
+  });
+}
+
+async function main() {
+  const args = parseArgs(process.argv.slice(2));
+  const pkg = loadPackage();
+  const { text, finish } = await streamChat(pkg, args.gateway, args.prompt, args.maxTokens);
+  const info = await serverInfo(pkg, args.scheduler);
+  console.log(JSON.stringify({ answer: text, finish_reason: finish, server_info: info }));
+}
+
+main().catch((err) => {
+  console.error(`error: ${err.message}`);
+  process.exit(1);
+});
