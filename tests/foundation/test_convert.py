@@ -70,9 +70,7 @@ CUDA = TensorHandle(
         event_sync_required=True,
     ),
 )
-SHM = TensorHandle(
-    dtype="uint8", shape=(2, 2), shared_memory=SharedMemoryLocation("psm_1", 64, 4)
-)
+SHM = TensorHandle(dtype="uint8", shape=(2, 2), shared_memory=SharedMemoryLocation("psm_1", 64, 4))
 INLINE = TensorHandle(dtype="float32", shape=(1,), inline_bytes=b"\x00\x00\x80?")
 MM = MultiModalInput(modality="image", offset=3, length=64, content_hash="abc", tensor=CUDA)
 
@@ -142,7 +140,11 @@ CASES: list[Any] = [
         device="cpu",
     ),
     KVCacheSpec(
-        num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_size=16,
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype="bfloat16",
+        block_size=16,
         bytes_per_block=368640,
     ),
     ServerInfo(
