@@ -1,0 +1,178 @@
+"""The CPU attention backend: batched SDPA over K/V gathered from the paged pool.
+
+Plan per step (built once, shared by all layers):
+- decode requests (one new token each) are attended in ONE SDPA call: their
+  blocks are gathered into a padded [num_decode, kv_heads, max_seq, head_dim]
+  batch with a key-padding mask (no mask at all for a single request);
+- every other request (a prefill chunk, possibly after a cached prefix) is one
+  SDPA call with a causal mask offset by its cached length (`is_causal` when
+  there is no prefix).
+There is no per-token Python loop; the loop is per prefill request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [num_decode] token rows (== request rows' query starts)
+    block_table: torch.Tensor  # [num_decode, blocks] block ids covering max_seq
+    max_seq: int
+    mask: torch.Tensor | None  # [num_decode, 1, 1, max_seq] bool; None for one request
+    contiguous: bool  # rows are 0..num_decode-1
+
+
+@dataclass
+class _Prefill:
+    start: int  # first token row
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # [num_blocks] block ids covering seq_len
+    mask: torch.Tensor | None  # [query_len, seq_len] bool; None means is_causal
+
+
+@dataclass
+class _Plan:
+    decode: _DecodeGroup | None
+    prefills: list[_Prefill]
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """Fast torch attention for CPUs (bf16 or fp32), via scaled_dot_product_attention."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._plan_for: AttentionMetadata | None = None
+        self._plan = _Plan(None, [])
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = self._get_plan(meta, k_cache.shape[1])
+        if plan.decode is not None and plan.decode.contiguous and not plan.prefills:
+            return self._decode(query, k_cache, v_cache, plan.decode, scale)
+        out = torch.empty_like(query)
+        if plan.decode is not None:
+            out[plan.decode.rows] = self._decode(
+                query[plan.decode.rows], k_cache, v_cache, plan.decode, scale
+            )
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(query[p.start : p.end], k_cache, v_cache, p, scale)
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decode, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: _DecodeGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        n, kv_heads, head_dim = query.shape[0], k_cache.shape[2], k_cache.shape[3]
+        k = k_cache[group.block_table].view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
+        v = v_cache[group.block_table].view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [n, heads, 1, head_dim]
+            k.transpose(1, 2),  # [n, kv_heads, max_seq, head_dim]
+            v.transpose(1, 2),
+            attn_mask=group.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)  # [n, heads, head_dim]
+
+    def _prefill(
+        self,
+        query: torch.Tensor,  # [query_len, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        p: _Prefill,
+        scale: float,
+    ) -> torch.Tensor:
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k = k_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.seq_len]
+        v = v_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.seq_len]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0),  # [1, heads, query_len, head_dim]
+            k.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask,
+            is_causal=p.mask is None and p.end - p.start > 1,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)  # [query_len, heads, head_dim]
+
+    def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
+        if meta is not self._plan_for:
+            self._plan = build_plan(meta, block_size)
+            self._plan_for = meta
+        return self._plan
+
+
+def build_plan(meta: AttentionMetadata, block_size: int) -> _Plan:
+    """Group a step's requests into one batched decode call and per-request prefill calls."""
+    starts = meta.query_start_loc.tolist()
+    decode_reqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+    prefills = [
+        _prefill_item(meta, i, starts[i], block_size)
+        for i, q in enumerate(meta.query_lens_cpu)
+        if q > 1
+    ]
+    return _Plan(_decode_group(meta, decode_reqs, starts, block_size), prefills)
+
+
+def _decode_group(
+    meta: AttentionMetadata, reqs: list[int], starts: list[int], block_size: int
+) -> _DecodeGroup | None:
+    if not reqs:
+        return None
+    device = meta.block_table.device
+    seq_lens = [meta.seq_lens_cpu[i] for i in reqs]
+    max_seq = max(seq_lens)
+    blocks = -(-max_seq // block_size)
+    index = torch.tensor(reqs, device=device)
+    table = meta.block_table.index_select(0, index)[:, :blocks].long()
+    mask = None
+    if len(reqs) > 1 and min(seq_lens) != max_seq:
+        lens = torch.tensor(seq_lens, device=device)
+        mask = (torch.arange(max_seq, device=device) < lens[:, None])[:, None, None, :]
+    rows = torch.tensor([starts[i] for i in reqs], device=device)
+    contiguous = reqs == list(range(len(reqs))) and starts[len(reqs)] == len(reqs)
+    return _DecodeGroup(rows, table, max_seq, mask, contiguous)
+
+
+def _prefill_item(meta: AttentionMetadata, i: int, start: int, block_size: int) -> _Prefill:
+    query_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+    blocks = meta.block_table[i, : -(-seq_len // block_size)].long()
+    mask = None
+    if seq_len > query_len:  # a cached prefix: query j sees keys up to prefix + j
+        device = meta.block_table.device
+        q_pos = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
+        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+    return _Prefill(start, start + query_len, seq_len, blocks, mask)

@@ -1,0 +1,116 @@
+"""Build a model from an HF directory: config -> class -> weights loaded by name.
+
+HF checkpoints store q/k/v and gate/up projections separately; the models fuse
+them, so each checkpoint tensor is copied into a row range of a fused weight.
+q/k rows (and Qwen3's q/k norm weights) are permuted per head into the
+interleaved rotary layout (see `layers.interleave_permutation`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker_service.attention.base import AttentionBackend
+from worker_service.models.config import ModelArchConfig, read_model_config
+from worker_service.models.layers import RMSNorm, interleave_permutation
+from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+# HF projection name -> (fused parameter, shard index, rotary permutation needed)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0, True),
+    "k_proj": ("qkv_proj", 1, True),
+    "v_proj": ("qkv_proj", 2, False),
+    "gate_proj": ("gate_up_proj", 0, False),
+    "up_proj": ("gate_up_proj", 1, False),
+}
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+) -> LlamaForCausalLM:
+    """Instantiate the registered class for `model_dir` and load its safetensors weights."""
+    cfg = read_model_config(model_dir)
+    cls = model_class(cfg.architecture)
+    with torch.device(device):
+        model = cls(cfg, backend)
+    _cast(model, dtype)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                loaded |= _load_tensor(model, model.config, name, f.get_tensor(name))
+    _check_complete(model, loaded)
+    return model.eval()
+
+
+def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Weights in `dtype`, RMSNorm weights kept in float32."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.data = p.data.to(torch.float32 if id(p) in norms else dtype)
+
+
+def _load_tensor(
+    model: LlamaForCausalLM, cfg: ModelArchConfig, name: str, tensor: torch.Tensor
+) -> set[str]:
+    """Copy one checkpoint tensor into its parameter; returns the parameter names it filled."""
+    name = name.removeprefix("model.")
+    if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        return set()
+    params = dict(model.named_parameters())
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[-2] in _FUSED:
+        fused, shard, permute = _FUSED[parts[-2]]
+        target = ".".join([*parts[:-2], fused, parts[-1]])
+        rows = _shard_rows(cfg, fused, shard)
+        value = _permute_heads(tensor, cfg.head_dim) if permute else tensor
+        params[target].data[rows[0] : rows[1]].copy_(value)
+        return {f"{target}#{shard}"}
+    if parts[-2:] in (["q_norm", "weight"], ["k_norm", "weight"]):
+        tensor = tensor[interleave_permutation(cfg.head_dim)]
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+    if params[name].shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+    params[name].data.copy_(tensor)
+    return {name}
+
+
+def _shard_rows(cfg: ModelArchConfig, fused: str, shard: int) -> tuple[int, int]:
+    """Row range of shard `shard` inside a fused weight."""
+    if fused == "gate_up_proj":
+        return shard * cfg.intermediate_size, (shard + 1) * cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+
+
+def _permute_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q/k projection (or bias) reordered per head into the interleaved layout."""
+    perm = interleave_permutation(head_dim)
+    shaped = weight.reshape(-1, head_dim, *weight.shape[1:])
+    return shaped[:, perm].reshape(weight.shape)
+
+
+def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
+    """Every parameter (every shard of a fused one) must have come from the checkpoint."""
+    missing = []
+    for name, _ in model.named_parameters():
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            missing += [f"{name}#{i}" for i in range(3) if f"{name}#{i}" not in loaded]
+        elif name.endswith("gate_up_proj.weight"):
+            missing += [f"{name}#{i}" for i in range(2) if f"{name}#{i}" not in loaded]
+        elif name not in loaded:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"weights missing from the checkpoint: {missing[:5]} ({len(missing)} in all)")

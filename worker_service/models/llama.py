@@ -1,0 +1,131 @@
+"""Llama-family decoder for paged attention: Llama/Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+The model holds only weights and math. The runner binds each attention layer to
+its KV pool (`bind_kv_cache`) and sets the step's metadata with
+`forward_context`, so `forward(input_ids, positions)` stays clean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.attention.base import AttentionBackend
+from worker_service.models.config import ModelArchConfig
+from worker_service.models.context import get_attention_metadata
+from worker_service.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class PagedAttention(nn.Module):
+    """Self-attention over the paged KV pool: fused qkv, RoPE, optional q/k norm, GQA."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = [q_size + kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+        self.backend = backend
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        qk, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                [self.q_norm.norm(qk[:, : self.num_heads]), self.k_norm.norm(qk[:, self.num_heads :])],
+                dim=1,
+            )
+        qk = RotaryEmbedding.apply(qk, cis)  # [n, heads + kv_heads, head_dim]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        meta = get_attention_metadata()
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block with the residual carried separately."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = PagedAttention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cis: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cis)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / SmolLM2: embeddings, decoder layers, final norm, (tied) LM head."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        cfg = self.adapt_config(cfg)
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+
+    @classmethod
+    def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
+        """Architecture-specific options (subclasses switch on bias / q-k norm)."""
+        return cfg
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden]."""
+        cis = self.rotary.lookup(positions)
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cis)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32 logits."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on the q/k/v projections."""
+
+    @classmethod
+    def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
+        return dataclasses.replace(cfg, attention_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on q and k before RoPE."""
+
+    @classmethod
+    def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
+        return dataclasses.replace(cfg, qk_norm=True)

@@ -1,0 +1,23 @@
+"""config.json `architectures` -> model class."""
+
+from __future__ import annotations
+
+from worker_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class serving `architecture`; ValueError naming the supported ones otherwise."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(
+            f"unsupported model architecture {architecture!r} (supported: {supported})"
+        ) from None
