@@ -1,0 +1,213 @@
+"""The EngineCore: the scheduler driving its workers, in process, without gRPC.
+
+Used by the gRPC service (scheduler_service.service) and by the offline API.
+Not thread-safe: one thread calls add_request / abort_requests / step; only
+`validate` (which reads immutable figures) may be called from elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from scheduler_service.kv_cache_manager import cdiv
+from scheduler_service.request import Request
+from scheduler_service.scheduler import Scheduler
+from services.config import CacheConfig, SchedulerConfig
+from services.step_types import (
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+    ServerInfo,
+)
+from services.types import EngineCoreOutput, EngineCoreRequest
+from services.worker_api import WorkerProtocol
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+PROTOCOL_VERSION = "tessera.v1"
+
+
+class WorkerUnavailableError(RuntimeError):
+    """A worker cannot be reached (transport failure), as opposed to a step that failed in it."""
+
+
+class EngineCore:
+    """schedule -> execute on every worker -> update, plus the KV capacity handshake."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        workers: Sequence[WorkerProtocol],
+    ) -> None:
+        if not workers:
+            raise ValueError("the engine needs at least one worker")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.workers = list(workers)
+        self.model_info = workers[0].get_model_info()
+        specs = [w.get_kv_cache_spec() for w in self.workers]
+        self.kv_spec = _common_kv_spec(specs)
+        self.num_blocks = self._decide_num_blocks(specs)
+        for worker in self.workers:
+            worker.initialize_cache(self.num_blocks)
+        self.max_model_len = self._usable_model_len()
+        self.scheduler = Scheduler(
+            scheduler_config,
+            num_blocks=self.num_blocks,
+            block_size=self.kv_spec.block_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.model_info.eos_token_ids,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+        )
+        self._pool = ThreadPoolExecutor(len(self.workers)) if len(self.workers) > 1 else None
+        self.step_times: deque[float] = deque(maxlen=256)
+        self.healthy = True
+
+    # ---- handshake ------------------------------------------------------------
+
+    def _decide_num_blocks(self, specs: list[KVCacheSpec]) -> int:
+        """num_blocks_override, else the fewest blocks any worker can hold."""
+        if self.cache_config.num_blocks_override:
+            return self.cache_config.num_blocks_override
+        num_blocks = min(
+            w.determine_available_memory() // max(spec.bytes_per_block, 1)
+            for w, spec in zip(self.workers, specs, strict=True)
+        )
+        if num_blocks < 1:
+            raise ValueError("the workers have no room for a single KV block")
+        log.info("KV capacity handshake: %d blocks of %d tokens", num_blocks, specs[0].block_size)
+        return int(num_blocks)
+
+    def _usable_model_len(self) -> int:
+        """The model's max_model_len, capped so one request always fits in the whole pool."""
+        capacity = self.num_blocks * self.kv_spec.block_size
+        if capacity < self.model_info.max_model_len:
+            log.warning(
+                "KV pool holds %d tokens < max_model_len %d; capping max_model_len",
+                capacity,
+                self.model_info.max_model_len,
+            )
+        return min(self.model_info.max_model_len, capacity)
+
+    # ---- requests -------------------------------------------------------------
+
+    def validate(self, request: EngineCoreRequest) -> None:
+        """Raise ValueError for a request that could never run to its first tokens."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        vocab = self.model_info.vocab_size
+        if vocab and not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        min_output = max(1, request.sampling_params.min_tokens)
+        if len(prompt) + min_output > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + min output ({min_output}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        needed = cdiv(len(prompt) + min_output, self.kv_spec.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(f"request needs {needed} KV blocks, the pool has {self.num_blocks}")
+        if not self.scheduler_config.enable_chunked_prefill and (
+            len(prompt) > self.scheduler_config.max_num_batched_tokens
+        ):
+            raise ValueError("prompt longer than max_num_batched_tokens with chunked prefill off")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue a request (ValueError if it can never fit)."""
+        self.validate(request)
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.max_model_len))
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
+        """Abort by id (unknown ids ignored); returns the final ABORT updates."""
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step; returns the updates to publish.
+
+        A step that raises inside a worker errors only that step's requests.
+        A worker that cannot be reached fails every request, marks the engine
+        unhealthy and re-raises WorkerUnavailableError.
+        """
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        try:
+            runner_output = self._execute(scheduler_output)
+        except WorkerUnavailableError as exc:
+            self.healthy = False
+            log.error("worker unreachable: %s", exc)
+            outputs = self.scheduler.fail_step(scheduler_output, str(exc))
+            raise WorkerLostError(outputs + self.scheduler.fail_all(str(exc))) from exc
+        except Exception as exc:
+            log.exception("step %d failed", scheduler_output.step_id)
+            return self.scheduler.fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.step_times.append(time.perf_counter() - start)
+        return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step on every worker (concurrently when several); rank 0's output counts."""
+        if self._pool is None:
+            return self.workers[0].execute_model(scheduler_output)
+        futures = [self._pool.submit(w.execute_model, scheduler_output) for w in self.workers]
+        results = [f.result() for f in futures]
+        return results[0]
+
+    # ---- description ----------------------------------------------------------
+
+    def server_info(self) -> ServerInfo:
+        info = self.model_info
+        return ServerInfo(
+            model_name=info.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=self.kv_spec.block_size,
+            num_blocks=self.num_blocks,
+            eos_token_ids=tuple(info.eos_token_ids),
+            version=VERSION,
+            protocol_version=PROTOCOL_VERSION,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            enable_prefix_caching=self.cache_config.enable_prefix_caching,
+            num_workers=len(self.workers),
+        )
+
+    def stats(self) -> SchedulerStats:
+        stats = self.scheduler.stats()
+        stats.step_time_p50 = statistics.median(self.step_times) if self.step_times else 0.0
+        stats.healthy = self.healthy
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the step thread pool (the workers keep running; they are not ours to stop)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+class WorkerLostError(RuntimeError):
+    """Raised by `step` when a worker is unreachable; carries the ERROR updates of every request."""
+
+    def __init__(self, outputs: list[EngineCoreOutput]) -> None:
+        super().__init__("a worker is unreachable; every request was failed")
+        self.outputs = outputs
+
+
+def _common_kv_spec(specs: list[KVCacheSpec]) -> KVCacheSpec:
+    """Rank 0's spec, after checking that every worker uses the same block size."""
+    block_sizes = {s.block_size for s in specs}
+    if len(block_sizes) != 1:
+        raise ValueError(f"workers disagree on the KV block size: {sorted(block_sizes)}")
+    return specs[0]

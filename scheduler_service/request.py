@@ -1,0 +1,156 @@
+"""The scheduler's view of one request: its tokens, progress, blocks and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from services.types import (
+    EngineCoreRequest,
+    FinishReason,
+    MultiModalInput,
+    RequestTimestamps,
+    SamplingParams,
+    TokenLogprobs,
+)
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; the FINISHED_* values are final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """The wire-level reason; UNSPECIFIED while not finished."""
+        return _FINISH_REASONS.get(self, FinishReason.UNSPECIFIED)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """One generation, owned by the scheduler from admission to finish.
+
+    Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
+    `num_computed_tokens <= num_tokens` counts tokens whose KV is in the pool;
+    `block_ids` is the block table (block i holds tokens [i*B, (i+1)*B));
+    `block_hashes[i]` is the prefix hash of full block i (computed lazily).
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "cache_salt",
+        "error",
+        "max_tokens",
+        "mm_inputs",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_hashed_blocks",
+        "num_prompt_tokens",
+        "pending_prompt_logprobs",
+        "priority",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+        "timestamps",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_model_len: int,
+        *,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str = "",
+        mm_inputs: list[MultiModalInput] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        room = max_model_len - self.num_prompt_tokens
+        requested = sampling_params.max_tokens
+        self.max_tokens = room if requested is None else min(requested, room)
+        self.arrival_time = arrival_time or time.time()
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.mm_inputs: list[MultiModalInput] = list(mm_inputs or ())
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1: not yet
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.stop_reason: int | None = None
+        self.error = ""
+        self.timestamps = RequestTimestamps(queued=time.time())
+        self.pending_prompt_logprobs: list[TokenLogprobs] = []
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            max_model_len,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            mm_inputs=req.mm_inputs,
+        )
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Smaller runs first under the priority policy: (priority, arrival)."""
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )

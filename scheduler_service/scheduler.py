@@ -1,0 +1,317 @@
+"""Continuous batching: who runs each step, with how many tokens, in which blocks.
+
+One step = one token budget. Running requests are served first (a decode
+token, or the next prefill chunk), then waiting ones are admitted while the
+budget, `max_num_seqs` and the pool allow. When a running request cannot get
+a block, the lowest-priority / latest-arrived running request is preempted by
+recompute: its blocks are freed and it goes back to the front of the queue.
+
+Progress is committed only in `update_from_output`: `num_computed_tokens`
+sent to the workers is what is in the pool before the step, and a failed
+step (`fail_step`) leaves no phantom progress.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from scheduler_service.kv_cache_manager import KVCacheManager
+from scheduler_service.request import Request, RequestStatus
+from scheduler_service.request_queue import make_queue
+from scheduler_service.step_plan import StepPlan
+from scheduler_service.stop import check_stop
+from services.config import SchedulerConfig
+from services.step_types import ModelRunnerOutput, SampledTokens, SchedulerOutput, SchedulerStats
+from services.types import EngineCoreOutput
+
+_RECENT = 256  # samples kept for the medians in stats()
+
+
+class Scheduler:
+    """Owns every unfinished request, the waiting queue, the running set and the KV blocks."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self._known: set[str] = set()  # requests whose state the workers hold
+        self._finished_ids: list[str] = []  # to report in the next step
+        self._preempted_ids: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_steps = 0
+        self.queue_times: deque[float] = deque(maxlen=_RECENT)
+
+    # ---- admission and abort -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (validated by the caller: it fits the model and the pool)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish the given requests as ABORT and free their blocks; unknown ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._final_output(request))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- schedule -----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step: running requests first, then admissions."""
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        self._step_id += 1
+        output = plan.to_output(self._step_id, self._finished_ids, self._preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
+        self._known.update(r.request_id for r in plan.new)
+        return output
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        for request in list(self.running):
+            if plan.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, plan)
+            if num_new == 0:
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            if new_block_ids is not None:
+                plan.add_cached(request, num_new, new_block_ids)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, plan: StepPlan
+    ) -> list[int] | None:
+        """Blocks for `num_new` tokens, preempting victims until they fit; None if `request` itself went."""
+        while True:
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = max(self.running, key=Request.sort_key)
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        plan.unschedule(request)
+        plan.preempted.append(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.prepend(request)
+        self.num_preemptions += 1
+        if request.request_id in self._known:
+            self._known.discard(request.request_id)
+            self._preempted_ids.append(request.request_id)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not self._admit(self.waiting.peek(), plan):
+                break
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        """Move the head of the queue into the running set if its first chunk fits."""
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = self._chunk_size(request.num_tokens - num_hit_tokens, plan)
+        if num_new == 0 or self.kv.allocate_slots(request, num_new, hits) is None:
+            return False
+        self.waiting.pop()
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        self._note_first_schedule(request, num_hit_tokens)
+        self.running.append(request)
+        plan.add_new(request, num_new, resumed)
+        return True
+
+    def _note_first_schedule(self, request: Request, num_hit_tokens: int) -> None:
+        if request.num_cached_tokens >= 0:
+            return
+        request.num_cached_tokens = num_hit_tokens
+        request.timestamps.scheduled = time.time()
+        self.queue_times.append(request.timestamps.scheduled - request.timestamps.queued)
+
+    def _chunk_size(self, num_remaining: int, plan: StepPlan) -> int:
+        """Tokens to give a request this step: capped by the long-prefill threshold and the budget."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_remaining:
+            num_remaining = threshold
+        if num_remaining > plan.budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_remaining, plan.budget)
+
+    # ---- update -------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Commit a finished step: progress, sampled tokens, stops; returns the updates to publish."""
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled, strict=False))
+        for prompt_lp in runner_output.prompt_logprobs:
+            request = self.requests.get(prompt_lp.request_id)
+            if request is not None:
+                request.pending_prompt_logprobs.extend(prompt_lp.logprobs)
+        errors = runner_output.request_errors
+        outputs = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted since the step was scheduled
+            if request_id in errors:
+                outputs.append(self._fail(request, errors[request_id]))
+                continue
+            output = self._commit(request, num_tokens, sampled.get(request_id))
+            if output is not None:
+                outputs.append(output)
+        self.num_steps += 1
+        return outputs
+
+    def _commit(
+        self, request: Request, num_tokens: int, sampled: SampledTokens | None
+    ) -> EngineCoreOutput | None:
+        request.num_computed_tokens += num_tokens
+        self.kv.cache_computed_blocks(request)
+        if request.num_computed_tokens < request.num_tokens:
+            return None  # inside a prefill: a token sampled here is discarded
+        if sampled is None or not sampled.token_ids:
+            return self._fail(request, "the worker returned no token for a completed prefill")
+        new_token_ids, status = self._append_until_stop(request, sampled.token_ids)
+        return self._token_output(request, new_token_ids, sampled, status)
+
+    def _append_until_stop(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            status = check_stop(request, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                return token_ids[: i + 1], status
+        return token_ids, None
+
+    def _token_output(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        sampled: SampledTokens,
+        status: RequestStatus | None,
+    ) -> EngineCoreOutput:
+        if not request.timestamps.first_token:
+            request.timestamps.first_token = time.time()
+        output = EngineCoreOutput(
+            request.request_id,
+            new_token_ids,
+            sampled.logprobs[: len(new_token_ids)],
+            num_cached_tokens=request.num_cached_tokens,
+            timestamps=request.timestamps,
+        )
+        if request.pending_prompt_logprobs:
+            output.prompt_logprobs, request.pending_prompt_logprobs = (
+                request.pending_prompt_logprobs,
+                [],
+            )
+        if status is not None:
+            self._finish(request, status)
+            output.finish_reason = request.status.finish_reason
+            output.stop_reason = request.stop_reason
+        return output
+
+    # ---- failures -----------------------------------------------------------
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        """Roll back a step whose execution raised: its requests end with ERROR, nothing is committed.
+
+        The worker may not have applied the step's finished / preempted ids, so
+        they are reported again next step (workers ignore unknown ids).
+        """
+        self._finished_ids.extend(scheduler_output.finished_req_ids)
+        self._preempted_ids.extend(scheduler_output.preempted_req_ids)
+        outputs = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                outputs.append(self._fail(request, error))
+        return outputs
+
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """End every unfinished request with ERROR (the workers are gone)."""
+        return [self._fail(request, error) for request in list(self.requests.values())]
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        request.error = error
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return self._final_output(request)
+
+    # ---- finishing ----------------------------------------------------------
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Take the request out of its queue, free its blocks, tell the workers next step."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.num_finished += 1
+        if request.request_id in self._known:
+            self._known.discard(request.request_id)
+            self._finished_ids.append(request.request_id)
+
+    def _final_output(self, request: Request) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request.request_id,
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            timestamps=request.timestamps,
+            error=request.error,
+        )
+
+    # ---- figures --------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        """Counts and counters; step time and health are filled in by the engine."""
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks_total=pool.num_blocks,
+            num_blocks_used=pool.num_used_blocks,
+            kv_cache_usage=pool.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            queue_time_p50=statistics.median(self.queue_times) if self.queue_times else 0.0,
+            num_finished=self.num_finished,
+        )
