@@ -1,0 +1,258 @@
+"""The generate path shared by the REST API and the gRPC text API.
+
+`Serving` owns the engine client, the tokenizer, admission (in-flight limit,
+draining) and the served model's description. `Serving.generate(job)` runs the
+n choices of every prompt as separate engine requests (`{id}-{index}`) and
+yields their `ChoiceDelta`s interleaved; closing or cancelling the iterator
+cancels every engine call, which aborts the requests in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass, field
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.engine_client import EngineClient
+from gateway.errors import (
+    EngineError,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+    TooManyRequests,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import TextOptions
+from gateway.stop import StopStringMatcher
+from gateway.tokenizer import Tokenizer
+from services.step_types import ServerInfo
+from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The served model as clients see it."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    created: int
+
+
+@dataclass
+class GenerateJob:
+    """One client request: every prompt runs `options.n` times."""
+
+    request_id: str
+    prompts: list[list[int]]  # token ids per prompt
+    options: TextOptions
+    prompt_logprobs: bool = False  # echo with logprobs: ask for prompt logprobs too
+    arrival_time: float = field(default_factory=time.time)
+
+    def choices(self) -> Iterator[tuple[int, list[int]]]:
+        """(choice index, prompt ids): prompt p, sample j is choice p * n + j."""
+        for p, prompt in enumerate(self.prompts):
+            for j in range(self.options.n):
+                yield p * self.options.n + j, prompt
+
+
+@dataclass
+class ChoiceDelta:
+    """What one update added to one choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" on the last delta
+    stop_reason: int | str | None = None  # stop token id or stop string that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class ChoiceStream:
+    """Detokenizes and stop-checks the outputs of one engine request."""
+
+    def __init__(self, index: int, prompt: list[int], options: TextOptions, tok: Tokenizer) -> None:
+        self.index = index
+        self.options = options
+        self.detok = IncrementalDetokenizer(tok, options.skip_special_tokens, prompt)
+        self.stop = StopStringMatcher(options.stop, options.include_stop_str_in_output)
+
+    def on_output(self, out: EngineCoreOutput) -> ChoiceDelta:
+        """The delta for one engine output; finish_reason is set when the choice ended."""
+        if out.finish_reason == FinishReason.ERROR:
+            raise EngineError(f"the engine failed: {out.error or 'unknown error'}")
+        stop_terminated = out.finish_reason == FinishReason.STOP
+        ids = out.new_token_ids
+        text_ids = (
+            ids[:-1]
+            if stop_terminated and ids and not self.options.include_stop_str_in_output
+            else ids
+        )
+        text = self.stop.feed(self.detok.update(text_ids))
+        delta = ChoiceDelta(
+            self.index, "", list(ids), list(out.new_logprobs), list(out.prompt_logprobs)
+        )
+        delta.num_cached_tokens = out.num_cached_tokens
+        if out.finished and not self.stop.stopped:
+            text += self.stop.feed(self.detok.flush())
+            text += self.stop.flush()
+        delta.text = text
+        if self.stop.stopped:
+            delta.finish_reason, delta.stop_reason = "stop", self.stop.matched
+        elif out.finished:
+            delta.finish_reason = out.finish_reason.openai_name
+            delta.stop_reason = out.stop_reason
+        return delta
+
+
+_DONE = object()
+
+
+class Serving:
+    """Shared state and the generate path of one gateway."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        metrics: GatewayMetrics,
+        served_model_name: str = "",
+        max_in_flight: int = 1024,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        self.draining = False
+        self._card: ModelCard | None = None
+
+    # -- model and admission ---------------------------------------------------------------
+
+    async def model_card(self) -> ModelCard:
+        """The served model (asks the scheduler once; 503 while it cannot be reached)."""
+        if self._card is None:
+            info: ServerInfo = await self.engine.server_info()
+            name = self.served_model_name or info.model_name or "default"
+            vocab = info.vocab_size or self.tokenizer.vocab_size
+            self._card = ModelCard(name, info.max_model_len, vocab, int(time.time()))
+        return self._card
+
+    async def check_model(self, model: str | None) -> ModelCard:
+        """The card when `model` names the served model (or is empty); 404 otherwise."""
+        card = await self.model_card()
+        if model and model != card.name:
+            raise ModelNotFound(
+                f"The model '{model}' does not exist; this server serves '{card.name}'.", "model"
+            )
+        return card
+
+    def acquire(self) -> None:
+        """Count one request in flight; 503 while draining, 429 when the limit is full."""
+        if self.draining:
+            raise ServiceUnavailable("the server is shutting down")
+        if self.in_flight >= self.max_in_flight:
+            raise TooManyRequests(
+                f"too many requests in flight (limit {self.max_in_flight}); retry later"
+            )
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def release(self) -> None:
+        """Undo one `acquire()`."""
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """`acquire()` for the duration of a block."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    # -- prompts -------------------------------------------------------------------------
+
+    async def encode_prompt(self, prompt: str | list[int], vocab_size: int) -> list[int]:
+        """Token ids of a text prompt, or checked ids of a token prompt."""
+        if isinstance(prompt, str):
+            return await self.tokenizer.encode_async(prompt)
+        bad = [t for t in prompt if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt"
+            )
+        return prompt
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def generate(self, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
+        """Every choice's deltas, interleaved; each choice ends with a finish_reason."""
+        card = await self.model_card()
+        requests = [self._engine_request(job, i, prompt, card) for i, prompt in job.choices()]
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(self._run_choice(job, r, prompt, queue)) for r, prompt in requests
+        ]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    assert isinstance(item, ChoiceDelta)
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _engine_request(
+        self, job: GenerateJob, index: int, prompt: list[int], card: ModelCard
+    ) -> tuple[EngineCoreRequest, list[int]]:
+        params = job.options.sampling_params(
+            len(prompt), card.max_model_len, card.vocab_size, job.prompt_logprobs
+        )
+        request = EngineCoreRequest(
+            request_id=f"{job.request_id}-{index}",
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            arrival_time=job.arrival_time,
+            priority=job.options.priority,
+        )
+        return request, prompt
+
+    async def _run_choice(
+        self,
+        job: GenerateJob,
+        request: EngineCoreRequest,
+        prompt: list[int],
+        queue: asyncio.Queue[object],
+    ) -> None:
+        index = int(request.request_id.rsplit("-", 1)[1])
+        choice = ChoiceStream(index, prompt, job.options, self.tokenizer)
+        timer = self.metrics.request_timer(job.arrival_time)
+        try:
+            async with self.engine.generate(request) as stream:
+                async for out in stream:
+                    delta = choice.on_output(out)
+                    timer.tokens(len(out.new_token_ids))
+                    await queue.put(delta)
+                    if delta.finish_reason is not None:
+                        timer.finish()
+                        return
+            raise EngineError("the engine closed the stream before the request finished")
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(_DONE)
