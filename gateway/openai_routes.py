@@ -54,7 +54,11 @@ class OpenAIRoutes:
                 rs.chat_response(job.request_id, card.name, collector, tok, with_logprobs)
             )
         chunks = ChatChunks(
-            job.request_id, card.name, self.serving.tokenizer, req.options.logprobs is not None
+            job.request_id,
+            card.name,
+            self.serving.tokenizer,
+            req.options.logprobs is not None,
+            job.options.n,
         )
         events = self._events(job, collector, _prepend(first, stream), chunks, req.include_usage)
         return EventSourceResponse(events, sep="\n", ping=600)

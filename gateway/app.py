@@ -1,0 +1,183 @@
+"""The Starlette application: OpenAI routes, health, metrics, tokenize, version, OpenAPI.
+
+`build_app(config, serving)` wires the routes, the error handlers (every
+client error in OpenAI's shape, never a 500 for bad input), CORS and the
+request-id / auth / access-log middleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway import metrics as gm
+from gateway.errors import ApiError, MethodNotAllowed, NotFound, ServiceUnavailable, internal_error
+from gateway.http_io import ClientDisconnected, read_json
+from gateway.middleware import GatewayMiddleware
+from gateway.openai_routes import OpenAIRoutes
+from gateway.openapi import openapi_document
+from gateway.protocol import parse_detokenize, parse_tokenize
+from gateway.serving import Serving
+from services.config import GatewayConfig
+
+log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 1.0
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("tessera")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+class BasicRoutes:
+    """Everything but the two generate endpoints."""
+
+    def __init__(self, serving: Serving, max_body_bytes: int) -> None:
+        self.serving = serving
+        self.max_body_bytes = max_body_bytes
+
+    async def models(self, request: Request) -> Response:
+        card = await self.serving.model_card()
+        model = {
+            "id": card.name,
+            "object": "model",
+            "created": card.created,
+            "owned_by": "tessera",
+            "root": card.name,
+            "parent": None,
+            "max_model_len": card.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> Response:
+        if self.serving.draining:
+            raise ServiceUnavailable("the server is shutting down")
+        if not await self.serving.engine.healthy():
+            raise ServiceUnavailable("the engine is not serving")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        try:
+            stats = await asyncio.wait_for(self.serving.engine.stats(), STATS_TIMEOUT_S)
+        except (ApiError, TimeoutError):
+            stats = None
+        self.serving.metrics.set_scheduler_stats(stats)
+        return Response(self.serving.metrics.render(), media_type=gm.CONTENT_TYPE)
+
+    async def tokenize(self, request: Request) -> Response:
+        req = parse_tokenize(await read_json(request, self.max_body_bytes))
+        card = await self.serving.check_model(req.model)
+        tok = self.serving.tokenizer
+        if req.messages is not None:
+            text = await tok.run(tok.render_chat, req.messages)
+            ids = await tok.encode_async(text, req.add_special_tokens)
+        else:
+            ids = await tok.encode_async(req.prompt or "", req.add_special_tokens)
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": card.max_model_len,
+                "tokens": ids,
+                "token_strs": tok.token_strings(ids),
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        req = parse_detokenize(await read_json(request, self.max_body_bytes))
+        card = await self.serving.check_model(req.model)
+        bad = [t for t in req.tokens if t >= card.vocab_size]
+        if bad:
+            raise ApiError(
+                f"token id {bad[0]} is outside the vocabulary (size {card.vocab_size})", "tokens"
+            )
+        text = await self.serving.tokenizer.decode_async(req.tokens, False)
+        return JSONResponse({"prompt": text})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": version()})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document(version()))
+
+
+def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
+    """The ASGI app of one gateway."""
+    basic = BasicRoutes(serving, config.max_body_bytes)
+    openai = OpenAIRoutes(serving, config.max_body_bytes)
+    routes = [
+        Route("/v1/chat/completions", openai.chat, methods=["POST"]),
+        Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/models", basic.models, methods=["GET"]),
+        Route("/health", basic.health, methods=["GET"]),
+        Route("/metrics", basic.metrics, methods=["GET"]),
+        Route("/tokenize", basic.tokenize, methods=["POST"]),
+        Route("/detokenize", basic.detokenize, methods=["POST"]),
+        Route("/version", basic.version, methods=["GET"]),
+        Route("/openapi.json", basic.openapi, methods=["GET"]),
+    ]
+    middleware = [
+        Middleware(
+            GatewayMiddleware,
+            metrics=serving.metrics,
+            routes=[r.path for r in routes],
+            api_key=config.api_key,
+        )
+    ]
+    if config.cors_allow_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_allow_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["X-Request-Id"],
+            )
+        )
+    handlers: dict[Any, Any] = {
+        ApiError: _api_error,
+        HTTPException: _http_error,
+        ClientDisconnected: _disconnected,
+        Exception: _unexpected,
+    }
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        error: ApiError = MethodNotAllowed(
+            f"method {request.method} is not allowed on {request.url.path}"
+        )
+    elif exc.status_code == 404:
+        error = NotFound(f"no route {request.url.path}")
+    else:
+        error = ApiError(str(exc.detail))
+        error.status = exc.status_code
+    return JSONResponse(error.body(), status_code=error.status, headers=exc.headers)
+
+
+async def _disconnected(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path, exc_info=exc)
+    error = internal_error()
+    return JSONResponse(error.body(), status_code=error.status)
