@@ -146,10 +146,12 @@ class FakeWorker:
         _check(state is not None, f"scheduled unknown request {request_id}")
         assert state is not None
         start, end = state.num_computed, state.num_computed + num_tokens
-        _check(0 < num_tokens and end <= len(state.tokens), f"{request_id}: range {start}:{end}")
+        _check(num_tokens > 0 and end <= len(state.tokens), f"{request_id}: range {start}:{end}")
         _check(len(state.block_ids) * self.block_size >= end, f"{request_id}: block table short")
         for p in range(start):  # the KV this step attends to must be this request's prefix
-            _check(self.slots[self._slot(state, p)] == state.fingerprint(p), f"{request_id}: KV@{p}")
+            _check(
+                self.slots[self._slot(state, p)] == state.fingerprint(p), f"{request_id}: KV@{p}"
+            )
         for p in range(start, end):
             self.slots[self._slot(state, p)] = state.fingerprint(p)
         state.num_computed = end
