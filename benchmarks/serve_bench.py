@@ -1,0 +1,233 @@
+"""Online serving benchmark, like `vllm bench serve`, against any OpenAI-compatible server.
+
+Sends the "mixed" workload as token-id prompts to /v1/completions (stream,
+include_usage, ignore_eos) with Poisson arrivals at each request rate, and
+reports throughput, TTFT, TPOT, ITL and end-to-end latency, plus goodput.
+
+    python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --rates inf,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.report import RESULTS_DIR, line_plot, markdown_table, summarize, write_results
+from benchmarks.workload import BenchRequest, mixed_workload
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request measured (seconds)."""
+
+    ok: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (
+            (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+        )
+
+
+async def send(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> RequestResult:
+    """Stream one completion and time its chunks."""
+    body = {
+        "model": model,
+        "prompt": req.prompt_token_ids,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result, start = RequestResult(), time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body) as reply:
+            if reply.status_code != 200:
+                result.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+                return result
+            async for line in reply.aiter_lines():
+                last = _on_line(line, result, start, last)
+        result.latency = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+    return result
+
+
+def _on_line(line: str, result: RequestResult, start: float, last: float) -> float:
+    """Account one SSE line; returns the time of the latest token chunk."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return last
+    chunk = json.loads(line[6:])
+    if chunk.get("usage"):
+        result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        result.output_tokens = chunk["usage"]["completion_tokens"]
+    if not chunk.get("choices"):
+        return last
+    now = time.perf_counter()
+    if result.ttft == 0.0:
+        result.ttft = now - start
+    else:
+        result.itls.append(now - last)
+    return now
+
+
+async def run_rate(
+    base_url: str, model: str, requests: list[BenchRequest], rate: float, seed: int
+) -> tuple[list[RequestResult], float]:
+    """Send `requests` with Poisson arrivals at `rate` req/s (inf: all at once)."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(
+        max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8
+    )
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        url = f"{base_url.rstrip('/')}/v1/completions"
+        tasks = []
+        start = time.perf_counter()
+        for req in requests:
+            tasks.append(asyncio.create_task(send(client, url, model, req)))
+            if not math.isinf(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def metrics(
+    results: list[RequestResult], duration: float, slo_ms: dict[str, float]
+) -> dict[str, Any]:
+    """Aggregate figures of one rate (latencies in ms)."""
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    good = [r for r in done if _meets(r, slo_ms)]
+    ms = lambda xs: {k: v * 1000 for k, v in summarize(xs).items()}  # noqa: E731
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "goodput": len(good) / duration,
+        "ttft_ms": ms([r.ttft for r in done]),
+        "tpot_ms": ms([r.tpot for r in done if r.output_tokens > 1]),
+        "itl_ms": ms([x for r in done for x in r.itls]),
+        "e2el_ms": ms([r.latency for r in done]),
+    }
+
+
+def _meets(r: RequestResult, slo_ms: dict[str, float]) -> bool:
+    measured = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}
+    return all(measured[k] * 1000 <= v for k, v in slo_ms.items())
+
+
+async def served_model(base_url: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        reply = await client.get(f"{base_url.rstrip('/')}/v1/models")
+        reply.raise_for_status()
+        return str(reply.json()["data"][0]["id"])
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    model = args.model or await served_model(args.base_url)
+    rates = [float(r) for r in args.rates.split(",")]
+    counts = [int(n) for n in args.num_prompts.split(",")]
+    counts += [counts[-1]] * (len(rates) - len(counts))
+    slo = (
+        dict((k, float(v)) for k, v in (item.split(":") for item in args.goodput))
+        if args.goodput
+        else {}
+    )
+    if args.warmup:
+        await run_rate(
+            args.base_url, model, mixed_workload(args.warmup, seed=args.seed + 99), math.inf, 0
+        )
+    runs = []
+    for rate, count in zip(rates, counts, strict=True):
+        requests = mixed_workload(count, vocab_size=args.vocab_size, seed=args.seed)
+        results, duration = await run_rate(args.base_url, model, requests, rate, args.seed)
+        runs.append({"request_rate": rate, "num_prompts": count, **metrics(results, duration, slo)})
+        print(f"rate {rate}: {runs[-1]['output_throughput']:.1f} output tok/s, "
+              f"TTFT p50 {runs[-1]['ttft_ms']['median']:.1f} ms, TPOT p50 {runs[-1]['tpot_ms']['median']:.1f} ms",
+              flush=True)  # fmt: skip
+    return {"base_url": args.base_url, "model": model, "slo_ms": slo, "runs": runs}
+
+
+def table(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "rate (req/s)": str(r["request_rate"]),
+            "prompts": r["num_prompts"],
+            "ok": r["completed"],
+            "req/s": r["request_throughput"],
+            "out tok/s": r["output_throughput"],
+            "TTFT p50 ms": r["ttft_ms"]["median"],
+            "TTFT p99 ms": r["ttft_ms"]["p99"],
+            "TPOT p50 ms": r["tpot_ms"]["median"],
+            "ITL p50 ms": r["itl_ms"]["median"],
+            "E2E p50 ms": r["e2el_ms"]["median"],
+            "goodput req/s": r["goodput"],
+        }
+        for r in data["runs"]
+    ]
+    return f"### Online serving ({data['model']} at {data['base_url']})\n\n" + markdown_table(
+        rows, list(rows[0])
+    )
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    runs = [r for r in data["runs"] if not math.isinf(r["request_rate"])]
+    if not runs:
+        return
+    xs = [r["request_rate"] for r in runs]
+    series = {f"{m} p50": [r[f"{m}_ms"]["median"] for r in runs] for m in ("ttft", "tpot", "itl")}
+    line_plot(path, "Latency against request rate", xs, series, "request rate (req/s)", "ms")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
+    p.add_argument("--rates", default="inf,1,2", help="comma-separated request rates (inf allowed)")
+    p.add_argument("--num-prompts", default="64,32,48", help="prompts per rate (last one repeats)")
+    p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring")
+    p.add_argument(
+        "--goodput", nargs="*", default=["ttft:500", "tpot:50"], help="SLOs as metric:ms"
+    )
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    data = asyncio.run(bench(args))
+    write_results("serve", data, table(data), args.out_dir)
+    plot(data, args.out_dir / "serve.png")
+    print(table(data))
+    return data
+
+
+if __name__ == "__main__":
+    main()
