@@ -1,0 +1,200 @@
+"""The offline API: the same scheduler and model runner in one process, no gRPC.
+
+from tessera import LLM, SamplingParams
+llm = LLM()  # the embedded default model
+outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from gateway.tokenizer import ChatTurn, Tokenizer
+from scheduler_service.engine import EngineCore
+from services.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    parse_bytes,
+)
+from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+
+Prompt = str | Sequence[int]
+TQDM_MIN_PROMPTS = 16  # progress bar from this many prompts on, unless told otherwise
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
+    stop_reason: int | None = None  # the stop token id that ended it, if one did
+    error: str = ""
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class _Pending:
+    """Tokens gathered for one request while the engine runs."""
+
+    token_ids: list[int] = field(default_factory=list)
+    last: EngineCoreOutput | None = None
+
+
+class LLM:
+    """Batch generation with Tessera's engine in this process."""
+
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int = 0,
+        block_size: int = 16,
+        kv_cache_memory: str | int = "2GiB",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        num_threads: int = 0,
+        seed: int = 0,
+    ) -> None:
+        from worker_service.worker import Worker  # torch comes in with the worker only
+
+        cache = CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+        )
+        worker_config = WorkerConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),  # type: ignore[arg-type]
+            cache=cache,
+            attention_backend=attention_backend,  # type: ignore[arg-type]
+            num_threads=num_threads,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
+        self.worker = Worker(worker_config)
+        scheduler = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+        self.engine = EngineCore(scheduler, cache, [self.worker])
+        self.tokenizer = Tokenizer.load(model)
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs keep the prompts' order."""
+        batch = _as_batch(prompts)
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        texts = [p if isinstance(p, str) else None for p in batch]
+        return self._run(ids, texts, _per_prompt(sampling_params, len(batch)), use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[ChatTurn] | Sequence[Sequence[ChatTurn]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or a list of them, with the model's chat template."""
+        chats = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.render_chat(list(c)) for c in chats]  # type: ignore[arg-type]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._run(ids, list(texts), _per_prompt(sampling_params, len(ids)), use_tqdm)
+
+    def _run(
+        self,
+        prompt_ids: list[list[int]],
+        texts: list[str | None],
+        params: list[SamplingParams],
+        use_tqdm: bool | None,
+    ) -> list[RequestOutput]:
+        request_ids = [self._add(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
+        pending = {rid: _Pending() for rid in request_ids}
+        show = use_tqdm if use_tqdm is not None else len(request_ids) >= TQDM_MIN_PROMPTS
+        with tqdm(total=len(request_ids), desc="generating", disable=not show) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    bar.update(_collect(pending[out.request_id], out))
+        return [
+            self._result(rid, ids, text, pending[rid])
+            for rid, ids, text in zip(request_ids, prompt_ids, texts, strict=True)
+        ]
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        request_id = str(self._next_id)
+        self._next_id += 1
+        self.engine.add_request(
+            EngineCoreRequest(request_id, prompt_ids, params, arrival_time=time.time())
+        )
+        return request_id
+
+    def _result(
+        self, request_id: str, prompt_ids: list[int], text: str | None, got: _Pending
+    ) -> RequestOutput:
+        last = got.last
+        assert last is not None and last.finished, f"request {request_id} did not finish"
+        completion = CompletionOutput(
+            index=0,
+            text=self.tokenizer.decode(got.token_ids),
+            token_ids=got.token_ids,
+            finish_reason=FinishReason(last.finish_reason).openai_name,
+            stop_reason=last.stop_reason,
+            error=last.error,
+        )
+        return RequestOutput(request_id, text, prompt_ids, [completion], last.num_cached_tokens)
+
+    def shutdown(self) -> None:
+        """Release the engine and the model."""
+        self.engine.shutdown()
+        self.worker.shutdown()
+        self.tokenizer.close()
+
+
+def _collect(pending: _Pending, out: EngineCoreOutput) -> int:
+    """Add one engine update; returns 1 when it finished the request."""
+    pending.token_ids.extend(out.new_token_ids)
+    pending.last = out
+    return 1 if out.finished else 0
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A single prompt (text or one id list) becomes a batch of one."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)
