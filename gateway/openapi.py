@@ -51,7 +51,10 @@ def _obj(props: dict[str, Schema], required: tuple[str, ...] = ()) -> Schema:
     return schema
 
 
-TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}
+TOKEN_IDS: Schema = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+}
 
 SAMPLING: dict[str, Schema] = {
     "model": _nullable(STR),

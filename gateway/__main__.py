@@ -1,0 +1,68 @@
+"""`python -m gateway`: the OpenAI-compatible REST API and the gRPC text API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+from gateway.server import GatewayServer
+from services.config import DEFAULT_MODEL, GatewayConfig, parse_bytes
+from services.log import setup_logging
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    p.add_argument("--scheduler", default="127.0.0.1:50051", help="EngineCore address host:port")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model dir for the tokenizer ('default': embedded)"
+    )
+    p.add_argument(
+        "--served-model-name", default="", help="name clients use; empty: the scheduler's"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and gRPC)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    p.add_argument(
+        "--grpc-port", type=int, default=50052, help="port of the gRPC text API; 0 disables it"
+    )
+    p.add_argument(
+        "--api-key", default="", help="Bearer token required on /v1, /tokenize, /detokenize"
+    )
+    p.add_argument(
+        "--max-queued-requests", type=int, default=1024, help="requests in flight before 429"
+    )
+    p.add_argument(
+        "--cors-allow-origin", action="append", default=[], help="allowed CORS origin (repeat)"
+    )
+    p.add_argument("--max-body-bytes", default="32MiB", help="largest request body (e.g. 32MiB)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds streams may finish on SIGTERM"
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        scheduler_address=args.scheduler,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        cors_allow_origins=tuple(args.cors_allow_origin),
+        max_body_bytes=parse_bytes(args.max_body_bytes),
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging("gateway", args.log_level)
+    asyncio.run(GatewayServer(config_from_args(args)).serve())
+
+
+if __name__ == "__main__":
+    main()

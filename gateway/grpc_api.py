@@ -1,0 +1,186 @@
+"""The public gRPC text API (`tessera.v1.TextGeneration`), sharing the REST generate path.
+
+Requests go through the same option checks (gateway.protocol), chat template,
+admission and `Serving.generate` as REST; `ApiError`s become gRPC statuses
+(INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE...). A client
+that cancels its call cancels the engine request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from gateway import responses as rs
+from gateway.errors import ApiError, InvalidRequest
+from gateway.fields import Fields
+from gateway.protocol import ROLES, TextOptions, parse_options
+from gateway.serving import GenerateJob, Serving
+from services.grpc_utils import GrpcServer, Registration
+from services.pb import generate_pb2 as pb
+from services.pb import generate_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "tessera.v1.TextGeneration"
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty")
+_PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens")
+
+
+def options_dict(params: pb.TextSamplingParams) -> dict[str, Any]:
+    """The sampling params as the JSON-like dict that gateway.protocol validates."""
+    message: Any = params  # HasField takes the field names as literals in the stubs
+    data: dict[str, Any] = {name: getattr(params, name) for name in _PLAIN}
+    data.update({n: getattr(params, n) for n in _OPTIONAL if message.HasField(n)})
+    data["stop"] = list(params.stop)
+    data["include_stop_str_in_output"] = params.include_stop_str_in_output
+    return data
+
+
+def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
+        raise InvalidRequest("'messages' must not be empty", "messages")
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidRequest(
+                f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages"
+            )
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+class TextGenerationServicer(pb_grpc.TextGenerationServicer):
+    """TextGeneration over a `Serving`."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def Complete(self, request: pb.CompletionRequest, context: Any) -> pb.GenerateResponse:
+        return await self._unary(self._completion_job(request), request.request_id, context)
+
+    async def CompleteStream(
+        self, request: pb.CompletionRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        async for chunk in self._stream(self._completion_job(request), request.request_id, context):
+            yield chunk
+
+    async def Chat(self, request: pb.ChatRequest, context: Any) -> pb.GenerateResponse:
+        return await self._unary(self._chat_job(request), request.request_id, context)
+
+    async def ChatStream(
+        self, request: pb.ChatRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        async for chunk in self._stream(self._chat_job(request), request.request_id, context):
+            yield chunk
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: Any
+    ) -> pb.ListModelsResponse:
+        card = await _checked(self.serving.model_card(), context)
+        model = pb.ModelCard(
+            id=card.name, max_model_len=card.max_model_len, owned_by="tessera", created=card.created
+        )
+        return pb.ListModelsResponse(models=[model])
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
+        return await _checked(self._tokenize(request), context)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        card = await self.serving.check_model(request.model)
+        tok = self.serving.tokenizer
+        if request.messages:
+            text = await tok.run(tok.render_chat, chat_messages(request.messages))
+        else:
+            text = request.text
+        ids = await tok.encode_async(text, request.add_special_tokens)
+        return pb.TokenizeResponse(
+            token_ids=ids,
+            tokens=tok.token_strings(ids),
+            count=len(ids),
+            max_model_len=card.max_model_len,
+        )
+
+    async def _completion_job(self, request: pb.CompletionRequest) -> tuple[GenerateJob, str]:
+        card = await self.serving.check_model(request.model)
+        options = parse_options(Fields(options_dict(request.params)), None, None)
+        prompt = await self.serving.tokenizer.encode_async(request.prompt)
+        return GenerateJob(
+            rs.new_id("cmpl"), [prompt], _with_priority(options, request.priority)
+        ), card.name
+
+    async def _chat_job(self, request: pb.ChatRequest) -> tuple[GenerateJob, str]:
+        card = await self.serving.check_model(request.model)
+        options = parse_options(Fields(options_dict(request.params)), None, None)
+        try:
+            prompt = await self.serving.tokenizer.encode_chat_async(chat_messages(request.messages))
+        except ApiError:
+            raise
+        except Exception as exc:
+            raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
+        return GenerateJob(
+            rs.new_id("chatcmpl"), [prompt], _with_priority(options, request.priority)
+        ), card.name
+
+    async def _unary(self, make_job: Any, given_id: str, context: Any) -> pb.GenerateResponse:
+        job, model = await _checked(make_job, context)
+        collector = rs.Collector(job)
+        try:
+            with self.serving.admit():
+                async for delta in self.serving.generate(job):
+                    collector.add(delta)
+        except ApiError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        choice = collector.ordered()[0]
+        return pb.GenerateResponse(
+            id=given_id or job.request_id, model=model, text=choice.text,
+            finish_reason=choice.finish_reason or "", usage=_usage(collector),
+        )  # fmt: skip
+
+    async def _stream(
+        self, make_job: Any, given_id: str, context: Any
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        job, _ = await _checked(make_job, context)
+        collector = rs.Collector(job)
+        rid = given_id or job.request_id
+        try:
+            with self.serving.admit():
+                async for delta in self.serving.generate(job):
+                    collector.add(delta)
+                    if delta.text or delta.finish_reason:
+                        usage = _usage(collector) if delta.finish_reason else None
+                        yield pb.GenerateChunk(
+                            id=rid,
+                            text=delta.text,
+                            finish_reason=delta.finish_reason or "",
+                            usage=usage,
+                        )
+        except ApiError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+
+
+def _with_priority(options: TextOptions, priority: int) -> TextOptions:
+    return replace(options, priority=priority)
+
+
+def _usage(collector: rs.Collector) -> pb.Usage:
+    u = collector.usage()
+    return pb.Usage(
+        prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
+        total_tokens=u["total_tokens"], cached_tokens=u["prompt_tokens_details"]["cached_tokens"],
+    )  # fmt: skip
+
+
+async def _checked(awaitable: Any, context: Any) -> Any:
+    """Await `awaitable`; an ApiError aborts the call with its gRPC status."""
+    try:
+        return await awaitable
+    except ApiError as exc:
+        await context.abort(exc.grpc_code, exc.message)
+
+
+def build_grpc_server(address: str, serving: Serving) -> GrpcServer:
+    """A GrpcServer (health + reflection) carrying the TextGeneration service."""
+    registration = Registration(
+        SERVICE_NAME, pb_grpc.add_TextGenerationServicer_to_server, TextGenerationServicer(serving)
+    )
+    return GrpcServer(address, [registration])
