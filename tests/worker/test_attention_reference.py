@@ -137,7 +137,7 @@ BATCHES = {
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3)])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_reference_matches_dense(
     batch: str, num_kv_heads: int, group: int, block_size: int, dtype: torch.dtype
 ) -> None:
