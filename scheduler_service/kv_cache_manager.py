@@ -65,6 +65,11 @@ class KVCacheManager:
         the block table first. Returns the ids of newly taken blocks (possibly
         empty), or None — changing nothing — when the pool cannot provide them.
         """
+        fits_in_table = (
+            request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+        )
+        if new_computed_blocks is None and fits_in_table:  # fast path: a decode token
+            return []
         hits = new_computed_blocks or []
         num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         num_new = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(hits)

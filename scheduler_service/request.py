@@ -66,6 +66,7 @@ class Request:
         "num_computed_tokens",
         "num_hashed_blocks",
         "num_prompt_tokens",
+        "num_tokens",
         "pending_prompt_logprobs",
         "priority",
         "request_id",
@@ -90,6 +91,7 @@ class Request:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens  # == len(all_token_ids), kept for speed
         self.sampling_params = sampling_params
         room = max_model_len - self.num_prompt_tokens
         requested = sampling_params.max_tokens
@@ -131,12 +133,8 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -144,6 +142,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def sort_key(self) -> tuple[int, float]:
         """Smaller runs first under the priority policy: (priority, arrival)."""

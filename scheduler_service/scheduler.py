@@ -25,9 +25,11 @@ from scheduler_service.step_plan import StepPlan
 from scheduler_service.stop import check_stop
 from services.config import SchedulerConfig
 from services.step_types import ModelRunnerOutput, SampledTokens, SchedulerOutput, SchedulerStats
-from services.types import EngineCoreOutput
+from services.types import EngineCoreOutput, FinishReason
 
 _RECENT = 256  # samples kept for the medians in stats()
+_RUNNING = RequestStatus.RUNNING  # module constants: enum attribute lookups cost in hot loops
+_UNSPECIFIED = FinishReason.UNSPECIFIED
 
 
 class Scheduler:
@@ -100,27 +102,30 @@ class Scheduler:
         for request in list(self.running):
             if plan.budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not _RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, plan)
+            num_remaining = request.num_tokens - request.num_computed_tokens
+            num_new = 1 if num_remaining == 1 else self._chunk_size(num_remaining, plan)  # decode
             if num_new == 0:
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                new_block_ids = self._preempt_until_fits(request, num_new, plan)
             if new_block_ids is not None:
                 plan.add_cached(request, num_new, new_block_ids)
 
-    def _allocate_or_preempt(
+    def _preempt_until_fits(
         self, request: Request, num_new: int, plan: StepPlan
     ) -> list[int] | None:
-        """Blocks for `num_new` tokens, preempting victims until they fit; None if `request` itself went."""
+        """Preempt victims until `num_new` tokens fit; None when `request` itself was the victim."""
         while True:
-            new_block_ids = self.kv.allocate_slots(request, num_new)
-            if new_block_ids is not None:
-                return new_block_ids
             victim = max(self.running, key=Request.sort_key)
             self._preempt(victim, plan)
             if victim is request:
                 return None
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
@@ -184,14 +189,15 @@ class Scheduler:
                 request.pending_prompt_logprobs.extend(prompt_lp.logprobs)
         errors = runner_output.request_errors
         outputs = []
+        get_request, get_sampled = self.requests.get, sampled.get
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = get_request(request_id)
+            if request is None or request.status is not _RUNNING:
                 continue  # aborted since the step was scheduled
-            if request_id in errors:
+            if errors and request_id in errors:
                 outputs.append(self._fail(request, errors[request_id]))
                 continue
-            output = self._commit(request, num_tokens, sampled.get(request_id))
+            output = self._commit(request, num_tokens, get_sampled(request_id))
             if output is not None:
                 outputs.append(output)
         self.num_steps += 1
@@ -201,7 +207,8 @@ class Scheduler:
         self, request: Request, num_tokens: int, sampled: SampledTokens | None
     ) -> EngineCoreOutput | None:
         request.num_computed_tokens += num_tokens
-        self.kv.cache_computed_blocks(request)
+        if request.num_computed_tokens // self.block_size > request.num_hashed_blocks:
+            self.kv.cache_computed_blocks(request)
         if request.num_computed_tokens < request.num_tokens:
             return None  # inside a prefill: a token sampled here is discarded
         if sampled is None or not sampled.token_ids:
@@ -212,6 +219,9 @@ class Scheduler:
     def _append_until_stop(
         self, request: Request, token_ids: list[int]
     ) -> tuple[list[int], RequestStatus | None]:
+        if len(token_ids) == 1:  # the usual case: one sampled token
+            request.append_output_token(token_ids[0])
+            return token_ids, check_stop(request, self.eos_token_ids, self.max_model_len)
         for i, token_id in enumerate(token_ids):
             request.append_output_token(token_id)
             status = check_stop(request, self.eos_token_ids, self.max_model_len)
@@ -228,12 +238,17 @@ class Scheduler:
     ) -> EngineCoreOutput:
         if not request.timestamps.first_token:
             request.timestamps.first_token = time.time()
+        logprobs = sampled.logprobs
+        if len(logprobs) > len(new_token_ids):
+            logprobs = logprobs[: len(new_token_ids)]
         output = EngineCoreOutput(
             request.request_id,
             new_token_ids,
-            sampled.logprobs[: len(new_token_ids)],
-            num_cached_tokens=request.num_cached_tokens,
-            timestamps=request.timestamps,
+            logprobs,
+            _UNSPECIFIED,
+            None,
+            request.num_cached_tokens,
+            request.timestamps,
         )
         if request.pending_prompt_logprobs:
             output.prompt_logprobs, request.pending_prompt_logprobs = (

@@ -18,12 +18,13 @@ def check_stop(
     """
     params = request.sampling_params
     last = request.all_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
+    num_output = request.num_tokens - request.num_prompt_tokens
+    if num_output >= params.min_tokens:
         if not params.ignore_eos and last in eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None

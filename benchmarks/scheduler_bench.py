@@ -1,0 +1,138 @@
+"""Scheduler overhead per engine step: schedule() + update_from_output(), no model.
+
+    python -m benchmarks.scheduler_bench [--steps 2000] [--out bench-results/scheduler.json]
+
+Two scenarios: 256 requests all decoding, and 64 requests in flight with a mix
+of chunked prefills and decodes (new requests replace finished ones). The
+worker's output is synthesized outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from scheduler_service.request import Request
+from scheduler_service.scheduler import Scheduler
+from services.config import SchedulerConfig
+from services.step_types import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from services.types import SamplingParams
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 8192
+
+
+def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+    """One sampled token for every request whose scheduled range reaches its end."""
+    result = ModelRunnerOutput(step_id=out.step_id)
+    for request_id, n in out.num_scheduled_tokens.items():
+        request = sched.requests[request_id]
+        done = request.num_computed_tokens + n == request.num_tokens
+        result.req_ids.append(request_id)
+        result.sampled.append(SampledTokens([request.all_token_ids[-1] % 1000 + 1] if done else []))
+    return result
+
+
+Timings = list[tuple[float, float]]  # (wall seconds, thread CPU seconds) per step
+
+
+def timed_steps(sched: Scheduler, steps: int, before_step: Callable[[], None]) -> Timings:
+    """Run `steps` steps; returns the time of schedule() + update_from_output() of each.
+
+    Thread CPU time is reported next to wall time because the machine is
+    shared: it leaves out the time other processes held the core.
+    """
+    times = []
+    for _ in range(steps):
+        before_step()
+        w0, c0 = time.perf_counter(), time.thread_time()
+        out = sched.schedule()
+        w1, c1 = time.perf_counter(), time.thread_time()
+        runner_output = fake_runner_output(sched, out)
+        w2, c2 = time.perf_counter(), time.thread_time()
+        sched.update_from_output(out, runner_output)
+        w3, c3 = time.perf_counter(), time.thread_time()
+        times.append(((w1 - w0) + (w3 - w2), (c1 - c0) + (c3 - c2)))
+    return times
+
+
+def make_scheduler(num_blocks: int) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_ids=(0,),
+    )
+
+
+def decode_256(steps: int, rng: random.Random) -> Timings:
+    """256 requests with 128-token prompts, all prefilled, then pure decode steps."""
+    sched = make_scheduler(num_blocks=256 * (steps + 200) // BLOCK_SIZE + 256)
+    for i in range(256):
+        prompt = [rng.randrange(1, 1000) for _ in range(128)]
+        sched.add_request(Request(f"d{i}", prompt, SamplingParams(max_tokens=None), MAX_MODEL_LEN))
+    timed_steps(sched, 30, lambda: None)  # prefill everything
+    assert all(r.num_output_tokens > 0 for r in sched.requests.values())
+    return timed_steps(sched, steps, lambda: None)
+
+
+def mixed_64(steps: int, rng: random.Random) -> Timings:
+    """64 requests in flight: prompts of 100-1500 tokens, 16-64 outputs, replaced when done."""
+    sched = make_scheduler(num_blocks=64 * 1600 // BLOCK_SIZE)
+    ids = itertools.count()
+
+    def top_up() -> None:
+        while len(sched.requests) < 64:
+            prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(100, 1500))]
+            params = SamplingParams(max_tokens=rng.randint(16, 64), ignore_eos=True)
+            sched.add_request(Request(f"m{next(ids)}", prompt, params, MAX_MODEL_LEN))
+
+    timed_steps(sched, 50, top_up)
+    return timed_steps(sched, steps, top_up)
+
+
+def summarize(name: str, times: Timings) -> dict[str, float | str | int]:
+    wall = sorted(w * 1e3 for w, _ in times)
+    cpu = sorted(c * 1e3 for _, c in times)
+    return {
+        "scenario": name,
+        "steps": len(wall),
+        "median_ms": statistics.median(wall),
+        "p90_ms": wall[int(0.9 * (len(wall) - 1))],
+        "p99_ms": wall[int(0.99 * (len(wall) - 1))],
+        "mean_ms": statistics.fmean(wall),
+        "cpu_median_ms": statistics.median(cpu),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000, help="timed steps per scenario")
+    parser.add_argument("--out", default="bench-results/scheduler.json", help="JSON result path")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    rows = [
+        summarize("256 running decode requests", decode_256(args.steps, rng)),
+        summarize("64 mixed prefill/decode requests", mixed_64(args.steps, rng)),
+    ]
+    print(f"{'scenario':<34} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'cpu median ms':>14}")
+    for r in rows:
+        print(
+            f"{r['scenario']:<34} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} "
+            f"{r['p99_ms']:>8.3f} {r['cpu_median_ms']:>14.3f}"
+        )
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"target_median_ms": 1.0, "results": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
