@@ -50,7 +50,7 @@ class StopStringMatcher:
 
     def _first_match(self) -> tuple[int, str] | None:
         found = [(i, s) for s in self.stop if (i := self._pending.find(s)) >= 0]
-        return min(found, key=lambda m: (m[0], -len(m[1]))) if found else None
+        return min(found, key=lambda m: (m[0], len(m[1]))) if found else None
 
     def _held_suffix_len(self) -> int:
         """Length of the longest suffix of the pending text that starts some stop string."""

@@ -1,0 +1,117 @@
+"""A test double of the scheduler's EngineCore, served over real gRPC.
+
+Generate streams the token ids of a fixed answer (tokenized with the real
+tokenizer), one token per update, then EOS. It records every request it got,
+when each call ended by cancellation, and every Abort RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.convert import from_proto, to_proto
+from services.grpc_utils import GrpcServer, Registration
+from services.pb import engine_pb2, engine_pb2_grpc
+from services.step_types import SchedulerStats, ServerInfo
+from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+
+EOS = 2
+MAX_MODEL_LEN = 512
+MODEL_NAME = "fake-smollm"
+
+
+def cached_tokens(prompt_len: int) -> int:
+    """What the fake prefix cache reports for a prompt: whole 16-token blocks of half of it."""
+    return (prompt_len // 2) // 16 * 16
+
+
+def fake_logprob(position: int) -> float:
+    return -0.25 * (position + 1)
+
+
+@dataclass
+class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
+    answer_ids: list[int]
+    token_delay_s: float = 0.0
+    requests: list[EngineCoreRequest] = field(default_factory=list)
+    cancelled_at: dict[str, float] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)
+    started: dict[str, float] = field(default_factory=dict)
+    fail_after: int | None = None  # send an ERROR output after this many tokens
+
+    async def Generate(self, request: Any, context: Any) -> Any:
+        req = from_proto(request, EngineCoreRequest)
+        self.requests.append(req)
+        self.started[req.request_id] = time.monotonic()
+        try:
+            for out in self._outputs(req):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                yield to_proto(out, engine_pb2.EngineCoreOutput)
+        except asyncio.CancelledError:
+            self.cancelled_at[req.request_id] = time.monotonic()
+            raise
+
+    def _outputs(self, req: EngineCoreRequest) -> Any:
+        params = req.sampling_params
+        ids = [*self.answer_ids, EOS]
+        limit = params.max_tokens or len(ids)
+        for i, token in enumerate(ids[:limit]):
+            out = EngineCoreOutput(req.request_id, [token])
+            if i == 0:
+                out.num_cached_tokens = cached_tokens(len(req.prompt_token_ids))
+                out.prompt_logprobs = self._prompt_logprobs(req)
+            if params.logprobs is not None:
+                out.new_logprobs = [self._logprobs(token, i, params.logprobs)]
+            if self.fail_after is not None and i >= self.fail_after:
+                out.finish_reason, out.error, out.new_token_ids = FinishReason.ERROR, "boom", []
+            elif token == EOS or token in params.stop_token_ids:
+                out.finish_reason, out.stop_reason = FinishReason.STOP, token
+            elif i == limit - 1:
+                out.finish_reason = FinishReason.LENGTH
+            yield out
+            if out.finished:
+                return
+
+    def _logprobs(self, token: int, position: int, k: int) -> TokenLogprobs:
+        top = [token, *range(100, 100 + k - 1)][:k] if k else []
+        return TokenLogprobs(token, fake_logprob(position), 1, top, [fake_logprob(position)] * len(top))
+
+    def _prompt_logprobs(self, req: EngineCoreRequest) -> list[TokenLogprobs]:
+        if req.sampling_params.prompt_logprobs is None:
+            return []
+        return [TokenLogprobs(t, -1.0, 1) for t in req.prompt_token_ids[1:]]
+
+    async def Abort(self, request: Any, context: Any) -> Any:
+        self.aborted.extend(request.request_ids)
+        return engine_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:
+        info = ServerInfo(MODEL_NAME, MAX_MODEL_LEN, 49152, 16, 100, (EOS,), "test", "1")
+        return to_proto(info, engine_pb2.ServerInfo)
+
+    async def GetStats(self, request: Any, context: Any) -> Any:
+        stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_preemptions=7)
+        return to_proto(stats, engine_pb2.SchedulerStats)
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.cancelled_at.clear()
+        self.aborted.clear()
+        self.started.clear()
+        self.token_delay_s = 0.0
+        self.fail_after = None
+
+
+async def start_fake_engine(engine: FakeEngine) -> GrpcServer:
+    """Serve `engine` on a free loopback port, reporting SERVING."""
+    server = GrpcServer(
+        "127.0.0.1:0",
+        [Registration("tessera.v1.EngineCore", engine_pb2_grpc.add_EngineCoreServicer_to_server, engine)],
+    )
+    await server.start()
+    await server.set_serving(True)
+    return server
