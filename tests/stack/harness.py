@@ -1,0 +1,122 @@
+"""Run `tessera serve` as a real process tree on free loopback ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Stack:
+    """A running `tessera serve` and its addresses."""
+
+    process: subprocess.Popen[str]
+    port: int
+    grpc_port: int
+    scheduler_port: int
+    worker_port: int
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    @property
+    def worker_address(self) -> str:
+        return f"127.0.0.1:{self.worker_port}"
+
+    @property
+    def gateway_grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_line(self, text: str, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def service_pids(self) -> dict[str, int]:
+        """pid of each child service, from the process table (children of the launcher)."""
+        out = subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(self.process.pid)],
+            capture_output=True, text=True, check=False,
+        ).stdout  # fmt: skip
+        pids = {}
+        for line in out.splitlines():
+            pid, _, args = line.strip().partition(" ")
+            for name in ("worker_service", "scheduler_service", "gateway"):
+                if f"-m {name}" in args:
+                    pids[name] = int(pid)
+        return pids
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_stack(*extra: str, timeout_s: float = 300) -> Stack:
+    """Start `tessera serve` with the default model and wait until /health is 200."""
+    ports = [free_port() for _ in range(4)]
+    argv = [
+        sys.executable, "-m", "tessera", "serve",
+        "--port", str(ports[0]), "--grpc-port", str(ports[1]),
+        "--scheduler-port", str(ports[2]), "--worker-port", str(ports[3]),
+        "--kv-cache-memory", "1GiB", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        argv, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    stack = Stack(process, ports[0], ports[1], ports[2], ports[3])
+    threading.Thread(target=_pump, args=(stack,), daemon=True).start()
+    if not _wait_healthy(stack, timeout_s):
+        stack.stop()
+        raise RuntimeError(f"tessera serve did not become healthy:\n{stack.output()[-4000:]}")
+    return stack
+
+
+def _pump(stack: Stack) -> None:
+    assert stack.process.stdout is not None
+    for line in stack.process.stdout:
+        stack.lines.append(line)
+
+
+def _wait_healthy(stack: Stack, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stack.process.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False

@@ -1,0 +1,88 @@
+"""Greedy outputs agree through the HTTP stack, the offline LLM API and HF transformers,
+all in float32 (issue 6, acceptance 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from services.types import SamplingParams
+from tests.stack.harness import Stack, start_stack
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 32
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain what a neural network is in one sentence.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a short tip for learning to cook, and explain why it helps beginners "
+    "who are nervous in the kitchen and have never followed a recipe before.",
+]
+
+
+@pytest.fixture(scope="module")
+def fp32_stack() -> Iterator[Stack]:
+    stack = start_stack("--dtype", "float32")
+    yield stack
+    stack.stop()
+
+
+def http_answers(stack: Stack) -> list[str]:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    answers = []
+    for question in QUESTIONS:
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+        answers.append(reply.choices[0].message.content or "")
+    return answers
+
+
+def offline_answers() -> list[str]:
+    from tessera import LLM
+
+    llm = LLM(dtype="float32", kv_cache_memory="1GiB")
+    try:
+        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        outputs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+        return [o.outputs[0].text for o in outputs]
+    finally:
+        llm.shutdown()
+
+
+def hf_answers(model_dir: Path) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    answers = []
+    for question in QUESTIONS:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]  # fmt: skip
+        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return answers
+
+
+def test_http_offline_and_hf_agree_in_float32(fp32_stack: Stack, default_model_dir: Path) -> None:
+    via_http = http_answers(fp32_stack)
+    via_offline = offline_answers()
+    via_hf = hf_answers(default_model_dir)
+    assert "Paris" in via_hf[0]
+    for question, a, b, c in zip(QUESTIONS, via_http, via_offline, via_hf, strict=True):
+        assert a == b == c, f"{question!r}: http={a!r} offline={b!r} hf={c!r}"
