@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from scheduler_service.errors import WorkerLostError, WorkerUnavailableError
 from scheduler_service.kv_cache_manager import cdiv
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
@@ -32,10 +33,6 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 PROTOCOL_VERSION = "tessera.v1"
-
-
-class WorkerUnavailableError(RuntimeError):
-    """A worker cannot be reached (transport failure), as opposed to a step that failed in it."""
 
 
 class EngineCore:
@@ -150,7 +147,8 @@ class EngineCore:
             self.healthy = False
             log.error("worker unreachable: %s", exc)
             outputs = self.scheduler.fail_step(scheduler_output, str(exc))
-            raise WorkerLostError(outputs + self.scheduler.fail_all(str(exc))) from exc
+            outputs += self.scheduler.fail_all(str(exc))
+            raise WorkerLostError(str(exc), outputs) from exc
         except Exception as exc:
             log.exception("step %d failed", scheduler_output.step_id)
             return self.scheduler.fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")
@@ -195,14 +193,6 @@ class EngineCore:
         """Stop the step thread pool (the workers keep running; they are not ours to stop)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-
-
-class WorkerLostError(RuntimeError):
-    """Raised by `step` when a worker is unreachable; carries the ERROR updates of every request."""
-
-    def __init__(self, outputs: list[EngineCoreOutput]) -> None:
-        super().__init__("a worker is unreachable; every request was failed")
-        self.outputs = outputs
 
 
 def _common_kv_spec(specs: list[KVCacheSpec]) -> KVCacheSpec:

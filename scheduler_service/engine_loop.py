@@ -1,0 +1,152 @@
+"""The engine thread: runs EngineCore steps while there is work, sleeps when there is none.
+
+Other threads never touch the engine's state: they post commands (add, abort)
+to an inbox guarded by a condition variable, and the engine thread applies them
+between steps. So an abort takes effect before the next step is scheduled and
+its blocks are free within one step. Outputs leave through `publish`, called on
+the engine thread once per step with that step's updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from scheduler_service.engine import EngineCore
+from scheduler_service.errors import WorkerLostError
+from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[list[EngineCoreOutput]], None]
+
+
+@dataclass
+class _Abort:
+    request_ids: Sequence[str]
+    done: Future[int] = field(default_factory=Future)
+
+
+class EngineLoop:
+    """Owns the engine thread; `submit` / `abort` / `stop` are safe from any thread."""
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        publish: Publish,
+        on_health_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.engine = engine
+        self._publish = publish
+        self._on_health_change = on_health_change
+        self._cond = threading.Condition()
+        self._inbox: list[EngineCoreRequest | _Abort] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error = ""  # why the loop died, if it did
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.error
+
+    @property
+    def healthy(self) -> bool:
+        """The loop runs and no worker has been lost."""
+        return self.alive and self.engine.healthy
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: EngineCoreRequest) -> None:
+        """Queue a request; raises ValueError if it can never fit, RuntimeError if unhealthy."""
+        self.engine.validate(request)
+        if not self.healthy:
+            raise RuntimeError(f"engine is not serving: {self.error or 'a worker was lost'}")
+        self._post(request)
+
+    def abort(self, request_ids: Sequence[str]) -> Future[int]:
+        """Abort by id before the next step; the future gives how many were found."""
+        command = _Abort(list(request_ids))
+        self._post(command)
+        return command.done
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _post(self, command: EngineCoreRequest | _Abort) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    # ---- the engine thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while (commands := self._wait_for_work()) is not None:
+                outputs = self._apply(commands)
+                if self.engine.has_unfinished_requests():
+                    outputs += self._step()
+                if outputs:
+                    self._publish(outputs)
+        except Exception as exc:
+            log.exception("engine loop died")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._publish(self.engine.scheduler.fail_all(f"engine loop died: {self.error}"))
+            self._on_health_change()
+        finally:
+            self._fail_pending_aborts()
+
+    def _wait_for_work(self) -> list[EngineCoreRequest | _Abort] | None:
+        """Block until a command arrives or requests are unfinished; None when stopping."""
+        with self._cond:
+            while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands, self._inbox = self._inbox, []
+            return commands
+
+    def _apply(self, commands: list[EngineCoreRequest | _Abort]) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for command in commands:
+            if isinstance(command, _Abort):
+                aborted = self.engine.abort_requests(command.request_ids)
+                outputs += aborted
+                command.done.set_result(len(aborted))
+            else:
+                outputs += self._add(command)
+        return outputs
+
+    def _add(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:
+        if not self.engine.healthy:
+            return [_error_output(request.request_id, "engine is not serving: a worker was lost")]
+        try:
+            self.engine.add_request(request)
+        except ValueError as exc:
+            return [_error_output(request.request_id, str(exc))]
+        return []
+
+    def _step(self) -> list[EngineCoreOutput]:
+        try:
+            return self.engine.step()
+        except WorkerLostError as exc:
+            self._on_health_change()
+            return exc.outputs
+
+    def _fail_pending_aborts(self) -> None:
+        with self._cond:
+            pending, self._inbox = self._inbox, []
+        for command in pending:
+            if isinstance(command, _Abort) and not command.done.done():
+                command.done.set_result(0)
+
+
+def _error_output(request_id: str, error: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, finish_reason=FinishReason.ERROR, error=error)

@@ -1,0 +1,177 @@
+"""The `tessera.v1.EngineCore` gRPC service around an EngineCore running on its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from scheduler_service.engine import EngineCore
+from scheduler_service.engine_loop import EngineLoop
+from services.convert import from_proto, to_proto
+from services.grpc_utils import GrpcServer, Registration, check_health
+from services.log import request_id_var
+from services.pb import engine_pb2, engine_pb2_grpc
+from services.types import EngineCoreOutput, EngineCoreRequest
+
+log = logging.getLogger(__name__)
+
+
+class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
+    """Streams each request's updates from the engine thread to its Generate call.
+
+    The engine thread hands each step's outputs to the event loop with one
+    `call_soon_threadsafe`; they are routed to per-request asyncio queues.
+    A Generate call that ends before its request finished (the caller
+    cancelled or went away) aborts the request, which frees its blocks.
+    """
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.loop = EngineLoop(engine, self._publish, self._health_changed)
+        self._streams: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self.on_health_change: Any = None  # set by EngineCoreServer
+        self.workers_answer = True  # last worker probe result, set by EngineCoreServer
+
+    def start(self) -> None:
+        self._aio_loop = asyncio.get_running_loop()
+        self.loop.start()
+
+    # ---- from the engine thread -----------------------------------------------
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._aio_loop is not None and not self._aio_loop.is_closed():
+            self._aio_loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _health_changed(self) -> None:
+        if self._aio_loop is not None and self.on_health_change is not None:
+            self._aio_loop.call_soon_threadsafe(self.on_health_change)
+
+    # ---- RPCs ---------------------------------------------------------------
+
+    async def Generate(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.EngineCoreOutput]:
+        req = from_proto(request, EngineCoreRequest)  # ValueError -> INVALID_ARGUMENT
+        request_id_var.set(req.request_id)
+        if not req.request_id:
+            raise ValueError("request_id must not be empty")
+        if req.request_id in self._streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "request_id already in flight")
+        if not (self.loop.healthy and self.workers_answer):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not serving")
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self._streams[req.request_id] = queue
+        finished = False
+        try:
+            try:
+                self.loop.submit(req)
+            except RuntimeError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield to_proto(output, engine_pb2.EngineCoreOutput)
+        finally:
+            del self._streams[req.request_id]
+            if not finished:  # cancelled or the caller went away
+                self.loop.abort([req.request_id])
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        num_aborted = await asyncio.wrap_future(self.loop.abort(list(request.request_ids)))
+        return engine_pb2.AbortResponse(num_aborted=num_aborted)
+
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return to_proto(self.engine.server_info(), engine_pb2.ServerInfo)
+
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        stats = self.engine.stats()
+        stats.healthy = self.loop.healthy
+        return to_proto(stats, engine_pb2.SchedulerStats)
+
+
+class EngineCoreServer:
+    """The EngineCore gRPC server: servicer, engine thread, health and worker probes.
+
+    Health is SERVING while the engine thread runs, no worker was lost mid-step
+    (that is final: the workers' state is unknown) and every worker address
+    answers its own health check (probed every `probe_interval_s`).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        engine: EngineCore,
+        worker_addresses: Sequence[str] = (),
+        probe_interval_s: float = 2.0,
+    ) -> None:
+        self.servicer = EngineCoreServicer(engine)
+        self.servicer.on_health_change = self._schedule_health_refresh
+        self.grpc = GrpcServer(
+            address,
+            [
+                Registration(
+                    "tessera.v1.EngineCore",
+                    engine_pb2_grpc.add_EngineCoreServicer_to_server,
+                    self.servicer,
+                )
+            ],
+        )
+        self.port = self.grpc.port
+        self.worker_addresses = list(worker_addresses)
+        self.probe_interval_s = probe_interval_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.servicer.start()
+        await self.grpc.start()
+        await self.refresh_health()
+        if self.worker_addresses:
+            self._spawn(self._probe_workers())
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.grpc.stop(grace_s)
+        await asyncio.to_thread(self.servicer.loop.stop)
+        self.servicer.engine.shutdown()
+
+    async def wait(self) -> None:
+        await self.grpc.wait()
+
+    @property
+    def serving(self) -> bool:
+        return self.servicer.loop.healthy and self.servicer.workers_answer
+
+    async def refresh_health(self) -> None:
+        await self.grpc.set_serving(self.serving)
+
+    def _schedule_health_refresh(self) -> None:
+        self._spawn(self.refresh_health())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe_workers(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            results = await asyncio.gather(
+                *(asyncio.to_thread(check_health, a, "", 1.0) for a in self.worker_addresses)
+            )
+            answer = all(results)
+            if answer != self.servicer.workers_answer:
+                log.warning("workers %s", "answer again" if answer else "do not answer")
+            self.servicer.workers_answer = answer
+            await self.refresh_health()
