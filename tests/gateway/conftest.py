@@ -53,7 +53,9 @@ def start_stack(tokenizer: Tokenizer, **config: Any) -> Stack:
 
     async def main() -> None:
         server = await start_fake_engine(engine)
-        base = GatewayConfig(scheduler_address=f"127.0.0.1:{server.port}", port=0, grpc_port=free_port())
+        base = GatewayConfig(
+            scheduler_address=f"127.0.0.1:{server.port}", port=0, grpc_port=free_port()
+        )
         gateway = GatewayServer(replace(base, **config), tokenizer)
         ready.update(server=server, gateway=gateway)
         try:

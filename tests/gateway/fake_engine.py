@@ -78,7 +78,9 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
 
     def _logprobs(self, token: int, position: int, k: int) -> TokenLogprobs:
         top = [token, *range(100, 100 + k - 1)][:k] if k else []
-        return TokenLogprobs(token, fake_logprob(position), 1, top, [fake_logprob(position)] * len(top))
+        return TokenLogprobs(
+            token, fake_logprob(position), 1, top, [fake_logprob(position)] * len(top)
+        )
 
     def _prompt_logprobs(self, req: EngineCoreRequest) -> list[TokenLogprobs]:
         if req.sampling_params.prompt_logprobs is None:
@@ -110,7 +112,11 @@ async def start_fake_engine(engine: FakeEngine) -> GrpcServer:
     """Serve `engine` on a free loopback port, reporting SERVING."""
     server = GrpcServer(
         "127.0.0.1:0",
-        [Registration("tessera.v1.EngineCore", engine_pb2_grpc.add_EngineCoreServicer_to_server, engine)],
+        [
+            Registration(
+                "tessera.v1.EngineCore", engine_pb2_grpc.add_EngineCoreServicer_to_server, engine
+            )
+        ],
     )
     await server.start()
     await server.set_serving(True)
