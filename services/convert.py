@@ -31,11 +31,16 @@ _Field = tuple[str, Callable[[Any], Any], "Callable[[Message, str, Any], None]",
 def to_proto(obj: Any, message_cls: type[M]) -> M:
     """Build a `message_cls` from a domain dataclass with the same field names."""
     msg = message_cls()
-    for name, _, write, _ in _plan(type(obj), message_cls):
+    _fill(msg, obj)
+    return msg
+
+
+def _fill(msg: Message, obj: Any) -> None:
+    """Write obj's fields into msg in place (nested messages are filled, never copied)."""
+    for name, _, write, _ in _plan(type(obj), type(msg)):
         value = getattr(obj, name)
         if value is not None:
             write(msg, name, value)
-    return msg
 
 
 def from_proto(msg: Message, cls: type[T]) -> T:
@@ -79,19 +84,11 @@ def _codec(hint: Any, fd: Any) -> tuple[Callable[[Any], Any], Callable[..., None
     if _is_repeated(fd):
         (item_t, *_) = typing.get_args(hint) or (Any,)
         if fd.message_type is not None:
-            sub_msg = _message_class(fd)
-            return (
-                (lambda seq: [from_proto(m, item_t) for m in seq]),
-                lambda msg, name, v: getattr(msg, name).extend(to_proto(x, sub_msg) for x in v),
-            )
+            return (lambda seq: [from_proto(m, item_t) for m in seq]), _write_repeated_messages
         container = tuple if origin is tuple else list
         return (lambda seq: container(seq)), _write_repeated
     if fd.message_type is not None:
-        sub_msg = _message_class(fd)
-        return (
-            (lambda m: from_proto(m, hint)),
-            lambda msg, name, v: getattr(msg, name).CopyFrom(to_proto(v, sub_msg)),
-        )
+        return (lambda m: from_proto(m, hint)), _write_message
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return (lambda v: hint(v)), lambda msg, name, v: setattr(msg, name, int(v))
     return (lambda v: v), setattr
@@ -105,6 +102,18 @@ def _write_repeated(msg: Message, name: str, value: Any) -> None:
     getattr(msg, name).extend(value)
 
 
+def _write_repeated_messages(msg: Message, name: str, value: Any) -> None:
+    container = getattr(msg, name)
+    for item in value:
+        _fill(container.add(), item)
+
+
+def _write_message(msg: Message, name: str, value: Any) -> None:
+    sub = getattr(msg, name)
+    sub.SetInParent()  # present even when every field keeps its default
+    _fill(sub, value)
+
+
 def _is_repeated(fd: Any) -> bool:
     return bool(fd.is_repeated)
 
@@ -115,18 +124,6 @@ def _strip_optional(hint: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return hint
-
-
-_MODULES = (engine_pb2, worker_pb2, tensor_pb2)
-
-
-def _message_class(fd: Any) -> type[Message]:
-    name = fd.message_type.name
-    for module in _MODULES:
-        if hasattr(module, name):
-            found: type[Message] = getattr(module, name)
-            return found
-    raise TypeError(f"no generated class for {fd.message_type.full_name}")
 
 
 # The pairs the services exchange, for callers that want them by name.
