@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve clean
+.PHONY: install proto model test test-fast lint serve bench clean
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -49,6 +49,10 @@ lint: install
 
 clean:
 	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)
+
+# All benchmarks (about 15 minutes): JSON, Markdown and PNG under bench-results/, table in README.
+bench: install
+	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
 
 SERVE_ARGS ?=
 serve: install

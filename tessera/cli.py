@@ -93,10 +93,36 @@ def serve(args: argparse.Namespace) -> int:
     return Launcher(services, args.start_timeout, args.drain_timeout).run(announce)
 
 
+BENCHMARKS = {
+    "all": "run_all",
+    "offline": "offline_bench",
+    "serve": "serve_bench",
+    "decode": "decode_bench",
+    "scheduler": "scheduler_bench",
+}
+
+
+def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bench", help="run a benchmark (results in bench-results/)")
+    p.add_argument("mode", choices=list(BENCHMARKS), help="which benchmark; `all` is `make bench`")
+    p.add_argument(
+        "args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)"
+    )
+    p.set_defaults(func=bench)
+
+
+def bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(f"benchmarks.{BENCHMARKS[args.mode]}").main(args.args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 
