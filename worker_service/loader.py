@@ -50,6 +50,7 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 loaded |= _load_tensor(model, model.config, name, f.get_tensor(name))
     _check_complete(model, loaded)
+    model.finalize_weights()
     return model.eval()
 
 

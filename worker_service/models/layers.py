@@ -16,10 +16,11 @@ from worker_service.models.config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, returned in the input dtype.
+    """RMSNorm computed in float32.
 
-    `forward(x, residual)` fuses the residual add: it returns
-    `(norm(x + residual), x + residual)`, as vLLM does, to save one pass per layer.
+    `forward(x, residual)` fuses the residual add and keeps the residual stream in
+    float32: it returns `(norm(x + residual) in x's dtype, x + residual in float32)`.
+    A bf16 residual stream loses enough precision to flip close greedy choices.
     """
 
     def __init__(self, size: int, eps: float) -> None:
@@ -35,9 +36,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        return self.norm(x), x
+        """x [n, size] (model dtype), residual [n, size] float32 or None."""
+        stream = x.float() if residual is None else residual + x  # [n, size] float32
+        return F.rms_norm(stream, self.size, self.weight, self.eps).to(x.dtype), stream
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -93,6 +93,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self.logits_weight = torch.empty(0)  # [vocab, hidden] float32, set by finalize_weights
 
     @classmethod
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -103,16 +104,21 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden]."""
+        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden] float32."""
         cis = self.rotary.lookup(positions)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, cis)
-        return self.norm(x, residual)[0]
+        return F.rms_norm(residual + x, self.norm.size, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32 logits."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        """[n, hidden] float32 -> [n, vocab] float32 logits (float32 weights and accumulation:
+        in bf16 the top logits of the default model are often closer than bf16's resolution)."""
+        return F.linear(hidden.float(), self.logits_weight)
+
+    def finalize_weights(self) -> None:
+        """After loading: a float32 copy of the LM head for the logits (shared when float32)."""
+        self.logits_weight = self.lm_head.weight.float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,183 @@
+"""Per-request state kept between steps, and the packed varlen batch built from it.
+
+Token ids and block tables live in preallocated numpy tables, one row per live
+request, so building a step's batch is a handful of vectorized gathers: no
+per-token Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.step_types import CachedRequestData, NewRequestData
+from services.types import SamplingParams
+from worker_service.attention.base import AttentionMetadata
+
+
+@dataclass
+class RequestState:
+    """What the worker remembers about one request between steps."""
+
+    req_id: str
+    row: int  # row in InputBatch tables
+    prompt_len: int
+    num_tokens: int  # prompt + outputs held in the token table
+    num_computed: int  # tokens whose KV is in the pool before the current step
+    num_blocks: int
+    params: SamplingParams
+    resumed: bool = False  # re-sent after preemption: prompt logprobs were already reported
+
+    @property
+    def num_outputs(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+
+@dataclass
+class StepBatch:
+    """One step's packed batch, requests ordered decode-first."""
+
+    req_ids: list[str]
+    states: list[RequestState]
+    num_scheduled: np.ndarray  # [num_reqs] int64
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    sample_reqs: list[int] = field(default_factory=list)  # indices into req_ids that sample
+    logits_indices: torch.Tensor | None = None  # [num_sample] rows of the hidden states
+
+
+class InputBatch:
+    """Request rows: token table [rows, max_model_len], block table [rows, max_blocks]."""
+
+    def __init__(self, max_reqs: int, max_model_len: int, block_size: int, vocab_size: int) -> None:
+        self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_reqs, max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((max_reqs, self.max_blocks), dtype=np.int32)
+        self.free_rows = list(range(max_reqs - 1, -1, -1))
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, new: NewRequestData) -> RequestState:
+        """Take a new (or resumed) request; ValueError if it cannot run on this model."""
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        self._validate(new, tokens)
+        self.remove(new.request_id)
+        if not self.free_rows:
+            self._grow()
+        row = self.free_rows.pop()
+        self.token_ids[row, : len(tokens)] = tokens
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        state = RequestState(
+            new.request_id,
+            row,
+            len(new.prompt_token_ids),
+            len(tokens),
+            new.num_computed_tokens,
+            len(new.block_ids),
+            new.sampling_params,
+            new.resumed_from_preemption,
+        )
+        self.requests[new.request_id] = state
+        return state
+
+    def update(self, cached: CachedRequestData) -> None:
+        """Apply a step's delta: new blocks appended, the computed count replaced."""
+        state = self.requests.get(cached.request_id)
+        if state is None:
+            raise ValueError(f"cached request {cached.request_id!r} is unknown to this worker")
+        end = state.num_blocks + len(cached.new_block_ids)
+        if end > self.max_blocks:
+            raise ValueError(f"request {cached.request_id!r} has more blocks than max_model_len allows")
+        self.block_table[state.row, state.num_blocks : end] = cached.new_block_ids
+        state.num_blocks, state.num_computed = end, cached.num_computed_tokens
+
+    def remove(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    def append_tokens(self, states: list[RequestState], tokens: list[int]) -> None:
+        """Append each sampled token to its request's token list."""
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        cols = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        ok = cols < self.max_model_len
+        self.token_ids[rows[ok], cols[ok]] = np.asarray(tokens, dtype=np.int64)[ok]
+        for s in states:
+            s.num_tokens += 1
+
+    def check_schedulable(self, state: RequestState, num_scheduled: int) -> None:
+        """ValueError when the scheduler asks for tokens the request does not have or cannot store."""
+        end = state.num_computed + num_scheduled
+        if num_scheduled < 1 or end > state.num_tokens:
+            raise ValueError(
+                f"request {state.req_id!r}: cannot compute tokens [{state.num_computed}, {end}) "
+                f"of {state.num_tokens}"
+            )
+        if end > state.num_blocks * self.block_size:
+            raise ValueError(
+                f"request {state.req_id!r}: {state.num_blocks} blocks hold fewer than {end} tokens"
+            )
+
+    def prepare(self, order: list[RequestState], num_scheduled: list[int], device: torch.device) -> StepBatch:
+        """Pack the scheduled tokens of `order` (already decode-first) into one batch."""
+        rows = np.fromiter((s.row for s in order), dtype=np.int64, count=len(order))
+        computed = np.fromiter((s.num_computed for s in order), dtype=np.int64, count=len(order))
+        sched = np.asarray(num_scheduled, dtype=np.int64)
+        cu = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(sched, out=cu[1:])
+        total = int(cu[-1])
+        token_rows = np.repeat(rows, sched)  # [num_tokens]
+        positions = np.repeat(computed - cu[:-1], sched) + np.arange(total)
+        input_ids = self.token_ids[token_rows, positions]
+        blocks = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slots = blocks * self.block_size + positions % self.block_size
+        seq_lens = computed + sched
+        max_seq = int(seq_lens.max())
+        table = self.block_table[rows, : -(-max_seq // self.block_size)]
+        meta = AttentionMetadata(
+            query_start_loc=_tensor(cu.astype(np.int32), device),
+            seq_lens=_tensor(seq_lens.astype(np.int32), device),
+            block_table=_tensor(table, device),
+            slot_mapping=_tensor(slots, device),
+            max_query_len=int(sched.max()),
+            max_seq_len=max_seq,
+            query_lens_cpu=sched.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        sample = [i for i, s in enumerate(order) if seq_lens[i] == s.num_tokens]
+        return StepBatch(
+            [s.req_id for s in order],
+            order,
+            sched,
+            _tensor(input_ids, device),
+            _tensor(positions, device),
+            meta,
+            sample,
+            _tensor(cu[1:][sample] - 1, device),
+        )
+
+    def _validate(self, new: NewRequestData, tokens: list[int]) -> None:
+        if not new.prompt_token_ids:
+            raise ValueError("empty prompt")
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"{len(tokens)} tokens exceed max_model_len {self.max_model_len}")
+        if len(new.block_ids) > self.max_blocks:
+            raise ValueError(f"{len(new.block_ids)} blocks exceed what max_model_len allows")
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        bad = [t for t in new.sampling_params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary ({self.vocab_size})")
+
+    def _grow(self) -> None:
+        n = self.token_ids.shape[0]
+        self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.free_rows.extend(range(2 * n - 1, n - 1, -1))
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)

@@ -1,0 +1,80 @@
+"""The paged KV pool: its spec, how much memory it may take, and its allocation.
+
+Per layer, K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`
+in the model dtype; each attention layer is bound to its own pair.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from services.step_types import KVCacheSpec
+from worker_service.models.config import ModelArchConfig
+from worker_service.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Share of free RAM the CPU pool may take at most (the rest is for activations and the OS).
+CPU_RAM_FRACTION = 0.9
+
+
+def make_spec(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    """Layout and byte size of one block across all layers (K and V)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return KVCacheSpec(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=block_size,
+        bytes_per_block=per_layer * cfg.num_layers,
+    )
+
+
+def free_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (psutil elsewhere)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def cpu_kv_budget(configured: int) -> int:
+    """The configured `--kv-cache-memory`, capped to what free RAM allows (with a warning)."""
+    limit = int(free_ram_bytes() * CPU_RAM_FRACTION)
+    if configured > limit:
+        log.warning(
+            "kv cache memory %.2f GiB exceeds %.0f%% of free RAM; using %.2f GiB",
+            configured / 2**30,
+            CPU_RAM_FRACTION * 100,
+            limit / 2**30,
+        )
+        return limit
+    return configured
+
+
+def allocate(
+    model: LlamaForCausalLM, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Allocate zeroed pools of `num_blocks` blocks, bind them to the layers; returns bytes."""
+    if num_blocks < 1:
+        raise ValueError("num_blocks must be >= 1")
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    for layer in model.attention_layers():
+        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    return num_blocks * spec.bytes_per_block
+
+
+def release(model: LlamaForCausalLM) -> None:
+    """Drop the pools (the layers keep empty placeholders)."""
+    for layer in model.attention_layers():
+        layer.k_cache = layer.v_cache = torch.empty(0)
