@@ -303,13 +303,15 @@ def parse_prompts(f: Fields) -> list[str | list[int]]:
     value = f.raw("prompt")
     if isinstance(value, str):
         return [value]
-    items = f.array("prompt", MAX_PROMPTS)
+    items = f.array("prompt")
     if not items:
         raise f.error("prompt", "is required" if items is None else "must not be empty")
-    if all(isinstance(p, str) for p in items):
-        return list(items)
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [_token_ids(f, items)]
+    if len(items) > MAX_PROMPTS:
+        raise f.error("prompt", f"may hold at most {MAX_PROMPTS} prompts, got {len(items)}")
+    if all(isinstance(p, str) for p in items):
+        return list(items)
     if all(isinstance(p, list) for p in items):
         return [_token_ids(f, p) for p in items]
     raise f.error("prompt", "must be a string, strings, token ids or lists of token ids")

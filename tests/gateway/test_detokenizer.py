@@ -10,9 +10,9 @@ from gateway.tokenizer import Tokenizer
 TEXTS = [
     "Plain ASCII text, with punctuation!",
     "Emoji: 😀🎉👍🏽 and a family 👨‍👩‍👧‍👦 plus flags 🇫🇷🇯🇵.",
-    "CJK: 日本語のテキスト、中文文本，한국어 텍스트。",
+    "CJK: 日本語のテキスト、中文文本，한국어 텍스트。",  # noqa: RUF001
     "Accents: café, naïve, façade, Ærøskøbing, crème brûlée, São Paulo, Łódź.",
-    "Mixed 😀日本é\n\ttabs and  double  spaces ✓ ∑ ∞ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "Mixed 😀日本é\n\ttabs and  double  spaces ✓ ∑ ∞ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",  # noqa: RUF001
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import openai
 import pytest
@@ -12,7 +13,7 @@ from tests.gateway.conftest import ANSWER, API_KEY, Stack
 from tests.gateway.fake_engine import MODEL_NAME, FakeEngine, cached_tokens, fake_logprob
 
 pytestmark = pytest.mark.slow
-MESSAGES = [{"role": "user", "content": "Say hello."}]
+MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def test_models_lists_the_scheduler_model(client: openai.OpenAI) -> None:
 def test_chat_non_streaming(
     client: openai.OpenAI, engine: FakeEngine, tokenizer: Tokenizer
 ) -> None:
-    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, seed=1234)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, seed=1234)
     assert reply.id.startswith("chatcmpl-") and reply.object == "chat.completion"
     assert reply.model == MODEL_NAME
     (choice,) = reply.choices
@@ -58,7 +59,7 @@ def test_chat_streaming_with_usage(
         model=MODEL_NAME,
         messages=MESSAGES,
         stream=True,
-        stream_options={"include_usage": True},  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -75,7 +76,7 @@ def test_chat_streaming_with_usage(
 def test_chat_n3_fans_out_into_three_engine_requests(
     client: openai.OpenAI, engine: FakeEngine
 ) -> None:
-    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=3, max_tokens=5)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=3, max_tokens=5)
     assert sorted(c.index for c in reply.choices) == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in reply.choices)
     ids = sorted(r.request_id for r in engine.requests)
@@ -85,7 +86,7 @@ def test_chat_n3_fans_out_into_three_engine_requests(
 
 
 def test_chat_n3_streaming(client: openai.OpenAI, engine: FakeEngine) -> None:
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=3, stream=True)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=3, stream=True)
     texts = {0: "", 1: "", 2: ""}
     for chunk in stream:
         for c in chunk.choices:
@@ -102,11 +103,11 @@ def test_stop_string_split_across_tokens(
     engine.token_delay_s = 0.02  # still streaming when the stop string is found
     kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "stop": [stop, "zzz"]}
     if stream:
-        chunks = list(client.chat.completions.create(**kwargs, stream=True))  # type: ignore[call-overload]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
     else:
-        choice = client.chat.completions.create(**kwargs).choices[0]  # type: ignore[call-overload]
+        choice = client.chat.completions.create(**kwargs).choices[0]
         text, finish = choice.message.content, choice.finish_reason
     assert text == ANSWER[: ANSWER.index(stop)] and finish == "stop"
     (request_id,) = [r.request_id for r in engine.requests]
@@ -118,7 +119,7 @@ def test_include_stop_str_in_output(client: openai.OpenAI, engine: FakeEngine) -
         model=MODEL_NAME,
         messages=MESSAGES,
         stop="END",
-        extra_body={"include_stop_str_in_output": True},  # type: ignore[arg-type]
+        extra_body={"include_stop_str_in_output": True},
     )
     assert reply.choices[0].message.content == ANSWER[: ANSWER.index("END") + 3]
 
@@ -129,7 +130,7 @@ def test_chat_logprobs(client: openai.OpenAI, engine: FakeEngine, tokenizer: Tok
         messages=MESSAGES,
         logprobs=True,
         top_logprobs=2,
-        max_tokens=4,  # type: ignore[arg-type]
+        max_tokens=4,
     )
     assert engine.requests[0].sampling_params.logprobs == 2
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
@@ -148,7 +149,7 @@ def test_completion_non_streaming_with_logprobs(client: openai.OpenAI, engine: F
     choice = reply.choices[0]
     assert choice.finish_reason == "length"
     assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
-    assert [round(x, 2) for x in choice.logprobs.token_logprobs] == [-0.25, -0.5, -0.75]  # type: ignore[misc]
+    assert [round(x, 2) for x in choice.logprobs.token_logprobs] == [-0.25, -0.5, -0.75]
     assert "".join(choice.logprobs.tokens or []) == choice.text
 
 
@@ -196,8 +197,8 @@ def test_completion_token_id_prompts(client: openai.OpenAI, engine: FakeEngine) 
 
 def test_sampling_parameters_pass_through(client: openai.OpenAI, engine: FakeEngine) -> None:
     client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, temperature=0.5, top_p=0.9, max_completion_tokens=7,  # type: ignore[arg-type]
-        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"42": 3.0}, stop=None,
+        model=MODEL_NAME, messages=MESSAGES, temperature=0.5, top_p=0.9, max_completion_tokens=7,
+        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"42": 3}, stop=None,
         extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
                     "stop_token_ids": [7], "priority": -3},
     )  # fmt: skip
