@@ -25,7 +25,11 @@ CHILD_FLAG = "TESSERA_TRITON_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-TRITON_BATCHES = {**BATCHES, "long": [(45, 70), (100, 1), (0, 33)]}
+TRITON_BATCHES = {
+    **BATCHES,
+    "long": [(45, 70), (100, 1), (0, 33)],  # several query blocks and key tiles per request
+    "empty_requests": [(10, 3), (0, 0), (20, 1), (5, 0)],  # padding rows (no new tokens)
+}
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # (batch, kv heads, query heads per kv head, block size, dtype, head_dim)
 ATTENTION_CASES = [
