@@ -8,7 +8,8 @@
 Usage (from the repository root): `.venv/bin/python -m benchmarks.gpu_check [--out FILE]`;
 writes a JSON report to FILE (default: $OUT/gpu_check.json when OUT is set) and prints it.
 Exit status 1 when a correctness case fails, 2 without a CUDA device. Needs torch with
-CUDA, triton, numpy and pytest (the cases are shared with the tests); about a minute.
+CUDA, triton, numpy and pytest (the cases are shared with the tests). Untimed so far: expect
+minutes at most, mostly Triton compiling one kernel variant per shape class.
 The CUDA IPC tensor-handle test is separate:
 `python -m pytest tests/foundation/test_tensor_handles.py -k cuda_ipc` (needs protobuf too).
 """
