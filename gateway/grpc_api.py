@@ -36,6 +36,13 @@ def options_dict(params: pb.TextSamplingParams) -> dict[str, Any]:
     return data
 
 
+def text_options(params: pb.TextSamplingParams, priority: int) -> TextOptions:
+    """Validated options, with the same checks as the REST API."""
+    fields = Fields(options_dict(params))
+    options = parse_options(fields, fields.integer("max_tokens", None, 1), None)
+    return replace(options, priority=priority)
+
+
 def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequest("'messages' must not be empty", "messages")
@@ -102,24 +109,20 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     async def _completion_job(self, request: pb.CompletionRequest) -> tuple[GenerateJob, str]:
         card = await self.serving.check_model(request.model)
-        options = parse_options(Fields(options_dict(request.params)), None, None)
+        options = text_options(request.params, request.priority)
         prompt = await self.serving.tokenizer.encode_async(request.prompt)
-        return GenerateJob(
-            rs.new_id("cmpl"), [prompt], _with_priority(options, request.priority)
-        ), card.name
+        return GenerateJob(rs.new_id("cmpl"), [prompt], options), card.name
 
     async def _chat_job(self, request: pb.ChatRequest) -> tuple[GenerateJob, str]:
         card = await self.serving.check_model(request.model)
-        options = parse_options(Fields(options_dict(request.params)), None, None)
+        options = text_options(request.params, request.priority)
         try:
             prompt = await self.serving.tokenizer.encode_chat_async(chat_messages(request.messages))
         except ApiError:
             raise
         except Exception as exc:
             raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
-        return GenerateJob(
-            rs.new_id("chatcmpl"), [prompt], _with_priority(options, request.priority)
-        ), card.name
+        return GenerateJob(rs.new_id("chatcmpl"), [prompt], options), card.name
 
     async def _unary(self, make_job: Any, given_id: str, context: Any) -> pb.GenerateResponse:
         job, model = await _checked(make_job, context)
@@ -156,10 +159,6 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                         )
         except ApiError as exc:
             await context.abort(exc.grpc_code, exc.message)
-
-
-def _with_priority(options: TextOptions, priority: int) -> TextOptions:
-    return replace(options, priority=priority)
 
 
 def _usage(collector: rs.Collector) -> pb.Usage:
