@@ -185,7 +185,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
-        stats.step_time_p50 = statistics.median(self.step_times) if self.step_times else 0.0
+        stats.step_time_p50 = _median(self.step_times)
         stats.healthy = self.healthy
         return stats
 
@@ -193,6 +193,12 @@ class EngineCore:
         """Stop the step thread pool (the workers keep running; they are not ours to stop)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def _median(samples: deque[float]) -> float:
+    """Median of a deque another thread may append to (list() copies it atomically)."""
+    values = list(samples)
+    return statistics.median(values) if values else 0.0
 
 
 def _common_kv_spec(specs: list[KVCacheSpec]) -> KVCacheSpec:

@@ -327,6 +327,6 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
-            queue_time_p50=statistics.median(self.queue_times) if self.queue_times else 0.0,
+            queue_time_p50=statistics.median(list(self.queue_times) or [0.0]),
             num_finished=self.num_finished,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -62,7 +63,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.EngineCoreOutput]:
-        req = from_proto(request, EngineCoreRequest)  # ValueError -> INVALID_ARGUMENT
+        req = request_from_proto(request)  # ValueError -> INVALID_ARGUMENT
         request_id_var.set(req.request_id)
         if not req.request_id:
             raise ValueError("request_id must not be empty")
@@ -98,6 +99,16 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
         stats = self.engine.stats()
         stats.healthy = self.loop.healthy
         return to_proto(stats, engine_pb2.SchedulerStats)
+
+
+def request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineCoreRequest:
+    """`from_proto`, plus engine.proto's rule that an unset max_tokens means up to max_model_len
+    (the SamplingParams dataclass defaults to 16 for in-process callers)."""
+    req = from_proto(msg, EngineCoreRequest)
+    if not msg.sampling_params.HasField("max_tokens"):
+        params = dataclasses.replace(req.sampling_params, max_tokens=None)
+        req = dataclasses.replace(req, sampling_params=params)
+    return req
 
 
 class EngineCoreServer:

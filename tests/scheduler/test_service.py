@@ -266,3 +266,14 @@ async def _num_waiting_is(s: Stack, n: int) -> bool:
 
 async def _health_is(s: Stack, status: int) -> bool:
     return await s.health() == status
+
+
+def test_unset_max_tokens_means_up_to_max_model_len() -> None:
+    async def body() -> None:
+        async with Stack(FakeWorker(max_model_len=24)) as s:
+            msg = engine_pb2.EngineCoreRequest(request_id="long", prompt_token_ids=[1, 2, 3, 4])
+            outputs = await read_rest(s.stub.Generate(msg))
+            assert sum(len(o.new_token_ids) for o in outputs) == 20
+            assert outputs[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+
+    run(body)
