@@ -97,7 +97,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         stats = self.engine.stats()
-        stats.healthy = self.loop.healthy
+        stats.healthy = self.loop.healthy and self.workers_answer
         return to_proto(stats, engine_pb2.SchedulerStats)
 
 
