@@ -182,6 +182,10 @@ def _completion(obj: str, choice: Schema) -> Schema:
     return _obj(props, ("id", "object", "created", "model", "choices", "usage"))
 
 
+# One server-sent event (OpenAPI < 3.2: `schema` describes each event): its data is a
+# JSON chunk, a JSON error object, or the final "[DONE]".
+SSE_EVENT = _obj({"data": STR, "event": STR, "id": STR}, ("data",))
+
 ERROR = _obj(
     {
         "error": _obj(
@@ -199,7 +203,12 @@ SCHEMAS: dict[str, Schema] = {
     "ChatCompletion": _completion("chat.completion", CHAT_CHOICE),
     "Completion": _completion("text_completion", COMPLETION_CHOICE),
     "TokenizeRequest": _obj(
-        {"model": _nullable(STR), "prompt": STR, "messages": MESSAGES, "add_special_tokens": BOOL}
+        {
+            "model": _nullable(STR),
+            "prompt": _nullable(STR),
+            "messages": _nullable(MESSAGES),
+            "add_special_tokens": _nullable(BOOL),
+        }
     ),
     "TokenizeResponse": _obj(
         {
@@ -247,7 +256,7 @@ def _errors(*codes: str) -> dict[str, Schema]:
 def _post(summary: str, request: str, response: str, stream: bool) -> Schema:
     content = _json(_ref(response))
     if stream:
-        content["text/event-stream"] = {"schema": STR}
+        content["text/event-stream"] = {"schema": SSE_EVENT}
     return {
         "post": {
             "summary": summary,

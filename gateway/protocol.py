@@ -130,9 +130,8 @@ def parse_chat(data: dict[str, Any]) -> ChatRequest:
     messages, has_images = parse_messages(f)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     logprobs = (top or 0) if f.boolean("logprobs", False) else None
-    max_tokens = f.integer("max_completion_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = f.integer("max_tokens", None, 1)
+    legacy_max = f.integer("max_tokens", None, 1)  # both are checked; the new name wins
+    max_tokens = f.integer("max_completion_tokens", legacy_max, 1)
     stream, include_usage = _stream_options(f)
     return ChatRequest(
         model=f.string("model"),
@@ -287,7 +286,10 @@ def _parse_parts(parts: list[Any], prefix: str) -> tuple[str, bool]:
         pf = Fields(part if isinstance(part, dict) else {}, f"{prefix}[{j}].")
         kind = pf.string("type")
         if kind == "text":
-            texts.append(pf.string("text") or "")
+            text = pf.string("text")
+            if text is None:
+                raise pf.error("text", "is required in a text part")
+            texts.append(text)
         elif kind == "image_url":
             image = pf.obj("image_url")
             if image is None or not isinstance(image.get("url"), str):
