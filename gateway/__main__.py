@@ -61,7 +61,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging("gateway", args.log_level)
-    asyncio.run(GatewayServer(config_from_args(args)).serve())
+    asyncio.run(_serve(config_from_args(args)))
+
+
+async def _serve(config: GatewayConfig) -> None:
+    await GatewayServer(config).serve()  # built inside the loop: its gRPC channel binds to it
 
 
 if __name__ == "__main__":

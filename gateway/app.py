@@ -135,15 +135,16 @@ def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
             api_key=config.api_key,
         )
     ]
-    if config.cors_allow_origins:
-        middleware.append(
+    if config.cors_allow_origins:  # outermost, so even a 401 carries the CORS headers
+        middleware.insert(
+            0,
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.cors_allow_origins),
                 allow_methods=["*"],
                 allow_headers=["*"],
                 expose_headers=["X-Request-Id"],
-            )
+            ),
         )
     handlers: dict[Any, Any] = {
         ApiError: _api_error,

@@ -43,7 +43,7 @@ class _DrainingUvicorn(uvicorn.Server):
 
 
 class GatewayServer:
-    """One gateway process (or thread, in tests)."""
+    """One gateway process (or thread, in tests); build it inside the event loop that serves it."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
@@ -59,13 +59,12 @@ class GatewayServer:
         self.app = build_app(config, self.serving)
         self.grpc: GrpcServer | None = None
         self.http: _DrainingUvicorn | None = None
-        self.loop = asyncio.new_event_loop()
+        self.loop = asyncio.get_running_loop()
         self.grpc_port = 0  # the bound port, once serving
         self._drain_task: asyncio.Task[None] | None = None
 
     async def serve(self) -> None:
         """Serve until stopped (signal, `request_stop()` or the drain ending)."""
-        self.loop = asyncio.get_running_loop()
         await self._describe_model()
         if self.config.grpc_port:  # 0 disables the text API
             self.grpc = build_grpc_server(
