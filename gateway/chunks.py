@@ -11,7 +11,8 @@ import time
 from typing import Any, Protocol
 
 from gateway import responses as rs
-from gateway.serving import ChoiceDelta, GenerateJob
+from gateway.output import ChoiceDelta
+from gateway.serving import GenerateJob
 from gateway.tokenizer import Tokenizer
 
 

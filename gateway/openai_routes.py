@@ -21,8 +21,9 @@ from gateway import responses as rs
 from gateway.chunks import ChatChunks, ChunkBuilder, CompletionChunks
 from gateway.errors import ApiError, InvalidRequest, internal_error
 from gateway.http_io import ClientDisconnected, read_json, until_disconnect
+from gateway.output import ChoiceDelta
 from gateway.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
-from gateway.serving import ChoiceDelta, GenerateJob, Serving
+from gateway.serving import GenerateJob, Serving
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.serving import ChoiceDelta, GenerateJob
+from gateway.output import ChoiceDelta
+from gateway.serving import GenerateJob
 from gateway.tokenizer import Tokenizer
 from services.types import TokenLogprobs
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 
-from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import EngineClient
 from gateway.errors import (
     EngineError,
@@ -25,11 +24,11 @@ from gateway.errors import (
     TooManyRequests,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.output import ChoiceDelta, OutputProcessor
 from gateway.protocol import TextOptions
-from gateway.stop import StopStringMatcher
 from gateway.tokenizer import Tokenizer
 from services.step_types import ServerInfo
-from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+from services.types import EngineCoreRequest
 
 
 @dataclass(frozen=True)
@@ -57,57 +56,6 @@ class GenerateJob:
         for p, prompt in enumerate(self.prompts):
             for j in range(self.options.n):
                 yield p * self.options.n + j, prompt
-
-
-@dataclass
-class ChoiceDelta:
-    """What one update added to one choice."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort" on the last delta
-    stop_reason: int | str | None = None  # stop token id or stop string that ended it
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-class ChoiceStream:
-    """Detokenizes and stop-checks the outputs of one engine request."""
-
-    def __init__(self, index: int, prompt: list[int], options: TextOptions, tok: Tokenizer) -> None:
-        self.index = index
-        self.options = options
-        self.detok = IncrementalDetokenizer(tok, options.skip_special_tokens, prompt)
-        self.stop = StopStringMatcher(options.stop, options.include_stop_str_in_output)
-
-    def on_output(self, out: EngineCoreOutput) -> ChoiceDelta:
-        """The delta for one engine output; finish_reason is set when the choice ended."""
-        if out.finish_reason == FinishReason.ERROR:
-            raise EngineError(f"the engine failed: {out.error or 'unknown error'}")
-        stop_terminated = out.finish_reason == FinishReason.STOP
-        ids = out.new_token_ids
-        text_ids = (
-            ids[:-1]
-            if stop_terminated and ids and not self.options.include_stop_str_in_output
-            else ids
-        )
-        text = self.stop.feed(self.detok.update(text_ids))
-        delta = ChoiceDelta(
-            self.index, "", list(ids), list(out.new_logprobs), list(out.prompt_logprobs)
-        )
-        delta.num_cached_tokens = out.num_cached_tokens
-        if out.finished and not self.stop.stopped:
-            text += self.stop.feed(self.detok.flush())
-            text += self.stop.flush()
-        delta.text = text
-        if self.stop.stopped:
-            delta.finish_reason, delta.stop_reason = "stop", self.stop.matched
-        elif out.finished:
-            delta.finish_reason = out.finish_reason.openai_name
-            delta.stop_reason = out.stop_reason
-        return delta
 
 
 _DONE = object()
@@ -240,7 +188,15 @@ class Serving:
         queue: asyncio.Queue[object],
     ) -> None:
         index = int(request.request_id.rsplit("-", 1)[1])
-        choice = ChoiceStream(index, prompt, job.options, self.tokenizer)
+        opts = job.options
+        choice = OutputProcessor(
+            index,
+            self.tokenizer,
+            prompt,
+            opts.stop,
+            opts.include_stop_str_in_output,
+            opts.skip_special_tokens,
+        )
         timer = self.metrics.request_timer(job.arrival_time)
         try:
             async with self.engine.generate(request) as stream:
