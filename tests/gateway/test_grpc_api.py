@@ -30,6 +30,16 @@ def test_health_reports_serving(stack: Stack) -> None:
     assert check_health(stack.grpc_address, "tessera.v1.TextGeneration")
 
 
+def test_reflection_lists_the_services(stack: Stack) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with sync_channel(stack.grpc_address) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"tessera.v1.TextGeneration", "grpc.health.v1.Health"} <= services
+
+
 def test_chat_stream(
     stub: pb_grpc.TextGenerationStub, engine: FakeEngine, tokenizer: Tokenizer
 ) -> None:
