@@ -137,7 +137,7 @@ class EngineCore:
 
         A step that raises inside a worker errors only that step's requests.
         A worker that cannot be reached fails every request, marks the engine
-        unhealthy and re-raises WorkerUnavailableError.
+        unhealthy and raises WorkerLostError carrying those ERROR updates.
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
