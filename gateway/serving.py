@@ -146,9 +146,7 @@ class Serving:
         card = await self.model_card()
         requests = [self._engine_request(job, i, prompt, card) for i, prompt in job.choices()]
         queue: asyncio.Queue[object] = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(self._run_choice(job, r, prompt, queue)) for r, prompt in requests
-        ]
+        tasks = [asyncio.create_task(self._run_choice(job, i, r, queue)) for i, r in requests]
         try:
             remaining = len(tasks)
             while remaining:
@@ -167,7 +165,7 @@ class Serving:
 
     def _engine_request(
         self, job: GenerateJob, index: int, prompt: list[int], card: ModelCard
-    ) -> tuple[EngineCoreRequest, list[int]]:
+    ) -> tuple[int, EngineCoreRequest]:
         params = job.options.sampling_params(
             len(prompt), card.max_model_len, card.vocab_size, job.prompt_logprobs
         )
@@ -178,35 +176,34 @@ class Serving:
             arrival_time=job.arrival_time,
             priority=job.options.priority,
         )
-        return request, prompt
+        return index, request
 
-    async def _run_choice(
-        self,
-        job: GenerateJob,
-        request: EngineCoreRequest,
-        prompt: list[int],
-        queue: asyncio.Queue[object],
-    ) -> None:
-        index = int(request.request_id.rsplit("-", 1)[1])
-        opts = job.options
-        choice = OutputProcessor(
+    def _processor(self, job: GenerateJob, index: int, prompt: list[int]) -> OutputProcessor:
+        o = job.options
+        return OutputProcessor(
             index,
             self.tokenizer,
             prompt,
-            opts.stop,
-            opts.include_stop_str_in_output,
-            opts.skip_special_tokens,
+            o.stop,
+            o.include_stop_str_in_output,
+            o.skip_special_tokens,
         )
+
+    async def _run_choice(
+        self, job: GenerateJob, index: int, request: EngineCoreRequest, queue: asyncio.Queue[object]
+    ) -> None:
+        """Stream one engine request into `queue`: deltas, or the exception, then _DONE."""
+        processor = self._processor(job, index, request.prompt_token_ids)
         timer = self.metrics.request_timer(job.arrival_time)
         try:
             async with self.engine.generate(request) as stream:
                 async for out in stream:
-                    delta = choice.on_output(out)
+                    delta = processor.on_output(out)
                     timer.tokens(len(out.new_token_ids))
                     await queue.put(delta)
                     if delta.finish_reason is not None:
                         timer.finish()
-                        return
+                        return  # leaving `async with` cancels the call (stop string)
             raise EngineError("the engine closed the stream before the request finished")
         except Exception as exc:
             await queue.put(exc)
