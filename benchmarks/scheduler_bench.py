@@ -1,6 +1,6 @@
 """Scheduler overhead per engine step: schedule() + update_from_output(), no model.
 
-    python -m benchmarks.scheduler_bench [--steps 1000] [--repeat 3] [--out bench-results/scheduler.json]
+    python -m benchmarks.scheduler_bench [--steps 1000] [--repeat 3] [--out-dir bench-results]
 
 Two scenarios: 256 requests all decoding, and 64 requests in flight with a mix
 of chunked prefills and decodes (new requests replace finished ones). The
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import RESULTS_DIR, markdown_table, write_results
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from services.config import SchedulerConfig
@@ -122,30 +122,29 @@ def best_of(name: str, runs: list[Timings]) -> dict[str, Any]:
     return best
 
 
-def main() -> None:
+COLUMNS = ["scenario", "median_ms", "p90_ms", "p99_ms", "cpu_median_ms", "steps"]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per run")
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per scenario (best median kept)"
     )
-    parser.add_argument("--out", default="bench-results/scheduler.json", help="JSON result path")
-    args = parser.parse_args()
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where scheduler.json/.md go")
+    args = parser.parse_args(argv)
     rng = random.Random(0)
     rows = [
         best_of("256 running decode", [decode_256(args.steps, rng) for _ in range(args.repeat)]),
         best_of("64 mixed prefill/decode", [mixed_64(args.steps, rng) for _ in range(args.repeat)]),
     ]
-    print(f"{'scenario':<26} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'cpu median ms':>14}")
-    for r in rows:
-        print(
-            f"{r['scenario']:<26} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} "
-            f"{r['p99_ms']:>8.3f} {r['cpu_median_ms']:>14.3f}"
-        )
+    table = (
+        "Scheduler overhead per step, schedule() + update_from_output(), target < 1 ms median\n\n"
+        + markdown_table(rows, COLUMNS)
+    )
+    print(table)
     result = {"target_median_ms": 1.0, "load_average": os.getloadavg(), "results": rows}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_results('scheduler', result, table, Path(args.out_dir))}")
 
 
 if __name__ == "__main__":
