@@ -69,6 +69,7 @@ class InputBatch:
             self._grow()
         row = self.free_rows.pop()
         self.token_ids[row, : len(tokens)] = tokens
+        self.block_table[row] = 0  # no stale block ids from the row's previous owner
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         state = RequestState(
             new.request_id,

@@ -56,9 +56,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ShutdownResponse()
 
 
-def build_server(address: str, worker: WorkerProtocol) -> GrpcServer:
-    """A gRPC server (health, reflection, error statuses) serving `worker` at `address`."""
-    servicer = WorkerServicer(worker)
+def build_server(
+    address: str, worker: WorkerProtocol, on_shutdown: Callable[[], None] | None = None
+) -> GrpcServer:
+    """A gRPC server (health, reflection, error statuses) serving `worker` at `address`;
+    `on_shutdown` runs after a Shutdown call has released the worker."""
+    servicer = WorkerServicer(worker, on_shutdown)
     return GrpcServer(
         address,
         [Registration("tessera.v1.Worker", worker_pb2_grpc.add_WorkerServicer_to_server, servicer)],

@@ -1,0 +1,56 @@
+"""HF transformers reference outputs, shared by the worker and stack tests."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@cache
+def hf_model(model_dir: Path, dtype: str = "float32") -> Any:
+    """The HF model for `model_dir` in `dtype`, loaded once per process."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).eval()
+
+
+def hf_greedy(
+    model_dir: Path, prompt_ids_list: list[list[int]], max_new_tokens: int, dtype: str = "float32"
+) -> list[list[int]]:
+    """Greedy continuations by HF `generate`, one prompt at a time (no padding), never stopping
+    at EOS: exactly `max_new_tokens` tokens per prompt."""
+    from transformers import GenerationConfig
+
+    model = hf_model(model_dir, dtype)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    results = []
+    saved_eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # else generate falls back to it and stops
+    try:
+        with torch.inference_mode():
+            for ids in prompt_ids_list:
+                inputs = torch.tensor([ids])
+                out = model.generate(
+                    inputs, attention_mask=torch.ones_like(inputs), generation_config=config
+                )
+                results.append(out[0, len(ids) :].tolist())
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    return results
+
+
+def hf_logits(model_dir: Path, ids: list[int], dtype: str = "float32") -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of one forward over `ids`."""
+    with torch.inference_mode():
+        return hf_model(model_dir, dtype)(torch.tensor([ids])).logits[0].float()

@@ -1,0 +1,92 @@
+"""`python -m worker_service`: load a model and serve the tessera.v1.Worker gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from services.config import CacheConfig, ModelConfig, WorkerConfig, parse_bytes
+from services.log import setup_logging
+from worker_service.server import build_server
+
+log = logging.getLogger("worker_service")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m worker_service", description=__doc__)
+    p.add_argument("--model", default="default", help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default="", help="name reported in ModelInfo")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="CPU KV pool budget (e.g. 2GiB, 512MiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "cpu", "reference"])
+    p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0: all cores")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> WorkerConfig:
+    """WorkerConfig from the command line (ValueError on invalid values)."""
+    return WorkerConfig(
+        model=ModelConfig(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            seed=args.seed,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
+        attention_backend=args.attention_backend,
+        num_threads=args.num_threads,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+async def serve(config: WorkerConfig, address: str) -> None:
+    """Load the model, serve until SIGTERM/SIGINT or a Shutdown call, then stop cleanly."""
+    from worker_service.worker import Worker
+
+    worker = await asyncio.to_thread(Worker, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = build_server(address, worker, on_shutdown=lambda: loop.call_soon_threadsafe(stop.set))
+    await server.start()
+    await server.set_serving(True)
+    log.info("worker serving on %s:%d", address.rsplit(":", 1)[0], server.port)
+    await stop.wait()
+    log.info("stopping")
+    await server.stop(grace_s=5.0)
+    worker.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging("worker", args.log_level)
+    try:
+        config = build_config(args)
+        asyncio.run(serve(config, f"{args.host}:{args.port}"))
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        log.error("%s", exc)
+        raise SystemExit(f"error: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()
