@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -35,7 +35,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
         self.loop = EngineLoop(engine, self._publish, self._health_changed)
         self._streams: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         self._aio_loop: asyncio.AbstractEventLoop | None = None
-        self.on_health_change: Any = None  # set by EngineCoreServer
+        self.on_health_change: Callable[[], None] | None = None  # set by EngineCoreServer
         self.workers_answer = True  # last worker probe result, set by EngineCoreServer
 
     def start(self) -> None:
@@ -170,7 +170,7 @@ class EngineCoreServer:
     def _schedule_health_refresh(self) -> None:
         self._spawn(self.refresh_health())
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
