@@ -226,3 +226,19 @@ def wait_for(predicate: object, timeout_s: float = 2.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_completion_stream_with_echo_and_logprobs(
+    client: openai.OpenAI, engine: FakeEngine, tokenizer: Tokenizer
+) -> None:
+    prompt = "Echo this"
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=1, stream=True
+    )
+    text, tokens = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens if c.logprobs and c.logprobs.tokens else []
+    assert text == prompt + tokenizer.decode(engine.answer_ids[:3])
+    assert len(tokens) == len(tokenizer.encode(prompt)) + 3
