@@ -277,3 +277,18 @@ def test_unset_max_tokens_means_up_to_max_model_len() -> None:
             assert outputs[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
 
     run(body)
+
+
+def test_a_request_id_already_in_flight_is_refused() -> None:
+    async def body() -> None:
+        async with Stack(FakeWorker(step_delay_s=0.01)) as s:
+            first = s.generate("dup", [1], max_tokens=500)
+            await first.read()
+            with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+                await s.collect("dup", [2])
+            assert excinfo.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            await s.stub.Abort(engine_pb2.AbortRequest(request_ids=["dup"]))
+            outputs = await read_rest(first)
+            assert outputs[-1].finish_reason == engine_pb2.FINISH_REASON_ABORT
+
+    run(body)
