@@ -140,7 +140,8 @@ def _top_k_top_p(
     """Mask logits outside each row's top-k, then outside its top-p nucleus (>= 1 token kept)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))  # [B, 1]
+        k = (top_k - 1).clamp(0, logits.shape[1] - 1)
+        kth = sorted_logits.gather(1, k.unsqueeze(1))  # [B, 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
