@@ -1,0 +1,415 @@
+"""Scheduler + gRPC overhead per engine step: everything except the forward.
+
+    python -m benchmarks.step_overhead_bench [--running 32 256] [--steps 300] [--repeat 3]
+
+Three processes, as in production: an instant fake worker (one token per
+sampling request, no model) behind the real Worker gRPC service
+(`worker_service.server.build_server`); this process, running the real
+EngineCore gRPC service with the real GrpcWorkerClient; and a client process
+holding N concurrent Generate streams of long generations, so N requests run
+every step. Per step it times, on the engine thread: schedule(), SchedulerOutput
+-> proto, the ExecuteModel round trip, proto -> ModelRunnerOutput,
+update_from_output() and publish; in the worker process: the servicer's
+proto -> SchedulerOutput and ModelRunnerOutput -> proto and the worker's own
+step time (the "forward", here almost nothing). The total is the wall time from
+one schedule() to the next minus the worker's own time; "loop glue" is what the
+total holds beyond the timed parts (waiting for the GIL held by the gRPC and
+asyncio threads, the engine loop's inbox).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import RESULTS_DIR, bar_plot, markdown_table, write_results
+from scheduler_service.engine import EngineCore
+from scheduler_service.service import EngineCoreServer
+from scheduler_service.worker_client import GrpcWorkerClient
+from services.config import CacheConfig, SchedulerConfig
+from services.convert import from_proto, to_proto
+from services.grpc_utils import aio_channel
+from services.pb import engine_pb2, engine_pb2_grpc, worker_pb2
+from services.step_types import (
+    KVCacheSpec,
+    ModelInfo,
+    ModelRunnerOutput,
+    SampledTokens,
+    SchedulerOutput,
+    WorkerTimings,
+)
+from services.types import EngineCoreRequest, SamplingParams
+
+BLOCK_SIZE = 16
+PROMPT_LEN = 32
+WARMUP_STEPS = 20
+PARTS = [
+    "schedule",
+    "encode",
+    "transport",
+    "worker_convert",
+    "decode",
+    "update",
+    "publish",
+    "loop_glue",
+]
+PART_LABELS = {
+    "schedule": "schedule()",
+    "encode": "SchedulerOutput -> proto",
+    "transport": "ExecuteModel round trip - worker time",
+    "worker_convert": "worker: proto -> domain -> proto",
+    "decode": "proto -> ModelRunnerOutput",
+    "update": "update_from_output()",
+    "publish": "publish (engine thread)",
+    "loop_glue": "loop glue / GIL waits",
+    "total": "TOTAL per-step overhead",
+    "event_loop_cpu": "asyncio thread CPU (streams, overlaps)",
+}
+
+# ---- the worker process -------------------------------------------------------
+
+
+class InstantWorker:
+    """WorkerProtocol without a model: one token per request whose prefill is complete."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.progress: dict[str, list[int]] = {}  # request id -> [num_tokens, num_computed]
+
+    def get_model_info(self) -> ModelInfo:
+        return ModelInfo("instant", 1 << 20, 50_000, (), "Instant", "float32", "cpu")
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(1, 1, 1, "float32", BLOCK_SIZE, 1)
+
+    def determine_available_memory(self) -> int:
+        return self.num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> int:
+        return num_blocks
+
+    def shutdown(self) -> None:
+        self.progress.clear()
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        for request_id in [*so.finished_req_ids, *so.preempted_req_ids]:
+            self.progress.pop(request_id, None)
+        for new in so.scheduled_new_reqs:
+            num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
+            self.progress[new.request_id] = [num_tokens, new.num_computed_tokens]
+        out = ModelRunnerOutput(step_id=so.step_id)
+        for request_id, n in so.num_scheduled_tokens.items():
+            state = self.progress[request_id]
+            state[1] += n
+            out.req_ids.append(request_id)
+            if state[1] == state[0]:
+                state[0] += 1
+                out.sampled.append(SampledTokens([state[0] % 50_000]))
+            else:
+                out.sampled.append(SampledTokens())
+        out.timings = WorkerTimings(total_ms=(time.perf_counter() - start) * 1e3)
+        return out
+
+
+def _timed(fn: Callable[..., Any], samples: dict[int, float]) -> Callable[..., Any]:
+    """Wrap a conversion function; record its time per step for step messages."""
+
+    def wrapper(value: Any, cls: Any) -> Any:
+        start = time.perf_counter()
+        result = fn(value, cls)
+        if cls in (SchedulerOutput, worker_pb2.ModelRunnerOutput):
+            step_id = result.step_id
+            samples[step_id] = samples.get(step_id, 0.0) + time.perf_counter() - start
+        return result
+
+    return wrapper
+
+
+def worker_process(conn: Connection, num_blocks: int) -> None:
+    """Serve an InstantWorker; send the port, then per-step conversion times when told to stop."""
+    import worker_service.server as ws
+
+    samples: dict[int, float] = {}
+    ws.from_proto = _timed(ws.from_proto, samples)
+    ws.to_proto = _timed(ws.to_proto, samples)
+
+    async def serve() -> None:
+        server = ws.build_server("127.0.0.1:0", InstantWorker(num_blocks))
+        await server.start()
+        await server.set_serving(True)
+        conn.send(server.port)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        conn.send(samples)
+        await server.stop(0.2)
+
+    asyncio.run(serve())
+
+
+# ---- the client process -------------------------------------------------------
+
+
+def client_process(conn: Connection, address: str, num_requests: int, max_tokens: int) -> None:
+    """Hold `num_requests` Generate streams until told to stop; then send the token count."""
+
+    async def drive() -> None:
+        counts = [0] * num_requests
+        async with aio_channel(address) as channel:
+            stub = engine_pb2_grpc.EngineCoreStub(channel)
+
+            async def stream(i: int) -> None:
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                prompt = [(i * 7 + j) % 50_000 for j in range(PROMPT_LEN)]
+                msg = to_proto(
+                    EngineCoreRequest(f"r{i}", prompt, params), engine_pb2.EngineCoreRequest
+                )
+                async for out in stub.Generate(msg):
+                    counts[i] += len(out.new_token_ids)
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(num_requests)]
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        conn.send(sum(counts))
+
+    asyncio.run(drive())
+
+
+# ---- the scheduler side (this process) ----------------------------------------
+
+
+class StepRecorder:
+    """Per-step wall times of the engine thread's parts, keyed by step id."""
+
+    def __init__(self, loop_thread_id: int) -> None:
+        self.loop_clock = time.pthread_getcpuclockid(loop_thread_id)
+        self.steps: list[dict[str, float]] = []
+        self.current: dict[str, float] = {}
+
+    def begin_step(self) -> None:
+        now, cpu = time.perf_counter(), time.clock_gettime(self.loop_clock)
+        if self.current:
+            self.current["period"] = now - self.current["start"]
+            self.current["event_loop_cpu"] = cpu - self.current["loop_cpu"]
+            self.steps.append(self.current)
+        self.current = {"start": now, "loop_cpu": cpu}
+
+    def add(self, part: str, seconds: float) -> None:
+        self.current[part] = self.current.get(part, 0.0) + seconds
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.add(part, time.perf_counter() - start)
+
+        return timed
+
+
+class TimedWorkerClient(GrpcWorkerClient):
+    """GrpcWorkerClient that reports encode / round trip / decode times to a recorder."""
+
+    recorder: StepRecorder | None = None
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        rec = self.recorder
+        if rec is None:
+            return super().execute_model(scheduler_output)
+        t0 = time.perf_counter()
+        request = to_proto(scheduler_output, worker_pb2.SchedulerOutput)
+        t1 = time.perf_counter()
+        reply = self._call(self._stub.ExecuteModel, request, self.step_timeout_s)
+        t2 = time.perf_counter()
+        output = from_proto(reply, ModelRunnerOutput)
+        t3 = time.perf_counter()
+        rec.add("encode", t1 - t0)
+        rec.add("rpc", t2 - t1)
+        rec.add("decode", t3 - t2)
+        rec.current["worker_ms"] = output.timings.total_ms
+        rec.current["step_id"] = scheduler_output.step_id
+        rec.current["num_tokens"] = scheduler_output.total_num_scheduled_tokens
+        return output
+
+
+def instrument(server: EngineCoreServer, client: TimedWorkerClient) -> StepRecorder:
+    """Wrap the live engine's scheduler, publish hook and worker client with timers."""
+    recorder = StepRecorder(threading.get_ident())
+    scheduler = server.servicer.engine.scheduler
+    schedule = recorder.wrap("schedule", scheduler.schedule)
+
+    def begin_and_schedule() -> SchedulerOutput:
+        recorder.begin_step()
+        recorder.current["running"] = len(scheduler.running)
+        return schedule()
+
+    scheduler.schedule = begin_and_schedule  # type: ignore[method-assign]
+    scheduler.update_from_output = recorder.wrap("update", scheduler.update_from_output)  # type: ignore[method-assign]
+    loop = server.servicer.loop
+    loop._publish = recorder.wrap("publish", loop._publish)
+    client.recorder = recorder
+    return recorder
+
+
+async def run_scenario(num_running: int, steps: int) -> list[dict[str, float]]:
+    """One run: start the three parts, record `steps` steady decode steps, tear down."""
+    ctx = mp.get_context("spawn")
+    num_blocks = num_running * (PROMPT_LEN + steps * 2 + 400) // BLOCK_SIZE + 64
+    worker_conn, worker_end = ctx.Pipe()
+    worker = ctx.Process(target=worker_process, args=(worker_end, num_blocks), daemon=True)
+    worker.start()
+    address = f"127.0.0.1:{await asyncio.to_thread(worker_conn.recv)}"
+    client = TimedWorkerClient(address)
+    config = SchedulerConfig(max_num_seqs=max(num_running, 256))
+    engine = await asyncio.to_thread(EngineCore, config, CacheConfig(), [client])
+    server = EngineCoreServer("127.0.0.1:0", engine)
+    await server.start()
+    recorder = instrument(server, client)
+    client_conn, client_end = ctx.Pipe()
+    args = (client_end, f"127.0.0.1:{server.port}", num_running, steps * 2 + 400)
+    clients = ctx.Process(target=client_process, args=args, daemon=True)
+    clients.start()
+    try:
+        await _wait_for_steady_steps(recorder, num_running, steps)
+    finally:
+        client_conn.send("stop")
+        tokens = await asyncio.to_thread(client_conn.recv)
+        await server.stop(0.2)
+        client.close()
+        worker_conn.send("stop")
+        worker_times = await asyncio.to_thread(worker_conn.recv)
+        clients.join(10)
+        worker.join(10)
+    assert tokens > 0, "the clients received no tokens"
+    return _steady(recorder.steps, num_running, worker_times)[:steps]
+
+
+async def _wait_for_steady_steps(recorder: StepRecorder, num_running: int, steps: int) -> None:
+    deadline = time.monotonic() + 600
+    while len(_steady(recorder.steps, num_running, {})) < steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine did not reach a steady decode state")
+        await asyncio.sleep(0.2)
+
+
+def _steady(
+    records: list[dict[str, float]], num_running: int, worker_times: dict[int, float]
+) -> list[dict[str, float]]:
+    """Pure decode steps with all requests running (after warm-up), with derived parts."""
+    out = []
+    for rec in records[WARMUP_STEPS:]:
+        if rec.get("running") != num_running or rec.get("num_tokens") != num_running:
+            continue
+        if "period" not in rec or "update" not in rec:
+            continue
+        step = {part: rec.get(part, 0.0) * 1e3 for part in ("schedule", "encode", "decode")}
+        step["update"], step["publish"] = rec["update"] * 1e3, rec.get("publish", 0.0) * 1e3
+        worker_ms = rec["worker_ms"]
+        step["worker_convert"] = worker_times.get(int(rec["step_id"]), 0.0) * 1e3
+        step["transport"] = rec["rpc"] * 1e3 - worker_ms - step["worker_convert"]
+        step["total"] = rec["period"] * 1e3 - worker_ms
+        timed = sum(rec.get(p, 0.0) for p in ("schedule", "encode", "rpc", "decode", "update"))
+        step["loop_glue"] = (rec["period"] - timed - rec.get("publish", 0.0)) * 1e3
+        step["event_loop_cpu"] = rec["event_loop_cpu"] * 1e3
+        out.append(step)
+    return out
+
+
+# ---- report -------------------------------------------------------------------
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(steps: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Median and p90 of every part, in milliseconds."""
+    parts = [*PARTS, "total", "event_loop_cpu"]
+    return {
+        p: {
+            "median_ms": statistics.median(s[p] for s in steps),
+            "p90_ms": _percentile([s[p] for s in steps], 0.9),
+        }
+        for p in parts
+    }
+
+
+def best_of(runs: list[list[dict[str, float]]]) -> dict[str, Any]:
+    """The run with the lowest median total (the least disturbed on a shared machine)."""
+    summaries = [summarize(steps) for steps in runs]
+    best = min(summaries, key=lambda s: s["total"]["median_ms"])
+    return {
+        "parts": best,
+        "steps": len(runs[0]),
+        "run_total_medians_ms": [s["total"]["median_ms"] for s in summaries],
+    }
+
+
+def table(results: dict[int, dict[str, Any]], compare: dict[str, Any] | None) -> str:
+    """Rows = parts; columns = median / p90 per running count (and the baseline's medians)."""
+    rows = []
+    for part in [*PARTS, "total", "event_loop_cpu"]:
+        row: dict[str, Any] = {"part": PART_LABELS[part]}
+        for n, res in results.items():
+            if compare and str(n) in compare:
+                row[f"before p50 @{n}"] = compare[str(n)]["parts"][part]["median_ms"]
+            row[f"p50 @{n}"] = res["parts"][part]["median_ms"]
+            row[f"p90 @{n}"] = res["parts"][part]["p90_ms"]
+        rows.append(row)
+    columns = list(rows[0])
+    return markdown_table(rows, columns)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--running", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--steps", type=int, default=300, help="steady decode steps per run")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per scenario (best kept)")
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--compare", help="an earlier step_overhead.json to show as 'before'")
+    args = parser.parse_args(argv)
+    results: dict[int, dict[str, Any]] = {}
+    for n in args.running:
+        runs = [asyncio.run(run_scenario(n, args.steps)) for _ in range(args.repeat)]
+        results[n] = best_of(runs)
+    compare = _load_compare(args.compare)
+    text = (
+        "Scheduler + gRPC overhead per engine step (everything except the forward), ms; "
+        "target < 2 ms median at 32 running\n\n" + table(results, compare)
+    )
+    print(text)
+    out_dir = Path(args.out_dir)
+    data = {"target_median_ms": 2.0, "load_average": os.getloadavg(), "results": results}
+    print(f"wrote {write_results('step_overhead', data, text, out_dir)}")
+    first = results[args.running[0]]["parts"]
+    bar_plot(
+        out_dir / "step_overhead.png",
+        f"Per-step overhead at {args.running[0]} running (median)",
+        [p.replace("_", "\n") for p in [*PARTS, "total"]],
+        [first[p]["median_ms"] for p in [*PARTS, "total"]],
+        "ms",
+    )
+
+
+def _load_compare(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    import json
+
+    return dict(json.loads(Path(path).read_text())["results"])
+
+
+if __name__ == "__main__":
+    main()
