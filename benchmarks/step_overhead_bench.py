@@ -162,7 +162,7 @@ def client_process(conn: Connection, address: str, num_requests: int, max_tokens
     """Hold `num_requests` Generate streams until told to stop; then send the token count."""
 
     async def drive() -> None:
-        counts = [0] * num_requests
+        counts, messages = [0] * num_requests, [0] * num_requests
         async with aio_channel(address) as channel:
             stub = engine_pb2_grpc.EngineCoreStub(channel)
 
@@ -174,13 +174,14 @@ def client_process(conn: Connection, address: str, num_requests: int, max_tokens
                 )
                 async for out in stub.Generate(msg):
                     counts[i] += len(out.new_token_ids)
+                    messages[i] += 1
 
             tasks = [asyncio.create_task(stream(i)) for i in range(num_requests)]
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        conn.send(sum(counts))
+        conn.send((sum(counts), sum(messages)))
 
     asyncio.run(drive())
 
@@ -262,7 +263,10 @@ def instrument(server: EngineCoreServer, client: TimedWorkerClient) -> StepRecor
     return recorder
 
 
-async def run_scenario(num_running: int, steps: int) -> list[dict[str, float]]:
+Run = tuple[list[dict[str, float]], dict[str, float]]  # (steady steps, delivery figures)
+
+
+async def run_scenario(num_running: int, steps: int) -> Run:
     """One run: start the three parts, record `steps` steady decode steps, tear down."""
     ctx = mp.get_context("spawn")
     num_blocks = num_running * (PROMPT_LEN + steps * 2 + 400) // BLOCK_SIZE + 64
@@ -284,7 +288,7 @@ async def run_scenario(num_running: int, steps: int) -> list[dict[str, float]]:
         await _wait_for_steady_steps(recorder, num_running, steps)
     finally:
         client_conn.send("stop")
-        tokens = await asyncio.to_thread(client_conn.recv)
+        tokens, messages = await asyncio.to_thread(client_conn.recv)
         await server.stop(0.2)
         client.close()
         worker_conn.send("stop")
@@ -292,7 +296,8 @@ async def run_scenario(num_running: int, steps: int) -> list[dict[str, float]]:
         clients.join(10)
         worker.join(10)
     assert tokens > 0, "the clients received no tokens"
-    return _steady(recorder.steps, num_running, worker_times)[:steps]
+    delivery = {"tokens_received": tokens, "tokens_per_message": tokens / max(messages, 1)}
+    return _steady(recorder.steps, num_running, worker_times)[:steps], delivery
 
 
 async def _wait_for_steady_steps(recorder: StepRecorder, num_running: int, steps: int) -> None:
@@ -346,14 +351,15 @@ def summarize(steps: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     }
 
 
-def best_of(runs: list[list[dict[str, float]]]) -> dict[str, Any]:
+def best_of(runs: list[Run]) -> dict[str, Any]:
     """The run with the lowest median total (the least disturbed on a shared machine)."""
-    summaries = [summarize(steps) for steps in runs]
-    best = min(summaries, key=lambda s: s["total"]["median_ms"])
+    summaries = [(summarize(steps), delivery) for steps, delivery in runs]
+    best, delivery = min(summaries, key=lambda s: s[0]["total"]["median_ms"])
     return {
         "parts": best,
-        "steps": len(runs[0]),
-        "run_total_medians_ms": [s["total"]["median_ms"] for s in summaries],
+        "steps": len(runs[0][0]),
+        "delivery": delivery,
+        "run_total_medians_ms": [s["total"]["median_ms"] for s, _ in summaries],
     }
 
 
@@ -389,6 +395,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "Scheduler + gRPC overhead per engine step (everything except the forward), ms; "
         "target < 2 ms median at 32 running\n\n" + table(results, compare)
     )
+    for n, res in results.items():
+        text += (
+            f"\n{n} running: {res['delivery']['tokens_per_message']:.2f} tokens per stream message"
+        )
     print(text)
     out_dir = Path(args.out_dir)
     data = {"target_median_ms": 2.0, "load_average": os.getloadavg(), "results": results}

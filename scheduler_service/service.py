@@ -12,6 +12,7 @@ import grpc
 
 from scheduler_service.engine import EngineCore
 from scheduler_service.engine_loop import EngineLoop
+from scheduler_service.output_stream import OutputStream
 from services.convert import from_proto, to_proto
 from services.grpc_utils import GrpcServer, Registration, check_health
 from services.log import request_id_var
@@ -25,7 +26,8 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
     """Streams each request's updates from the engine thread to its Generate call.
 
     The engine thread hands each step's outputs to the event loop with one
-    `call_soon_threadsafe`; they are routed to per-request asyncio queues.
+    `call_soon_threadsafe`; they are routed to per-request OutputStreams,
+    which merge updates that pile up while a stream is behind.
     A Generate call that ends before its request finished (the caller
     cancelled or went away) aborts the request, which frees its blocks.
     """
@@ -33,7 +35,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.loop = EngineLoop(engine, self._publish, self._health_changed)
-        self._streams: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self.on_health_change: Callable[[], None] | None = None  # set by EngineCoreServer
         self.workers_answer = True  # last worker probe result, set by EngineCoreServer
@@ -50,9 +52,9 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for output in outputs:
-            queue = self._streams.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
 
     def _health_changed(self) -> None:
         if self._aio_loop is not None and self.on_health_change is not None:
@@ -71,8 +73,8 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "request_id already in flight")
         if not (self.loop.healthy and self.workers_answer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not serving")
-        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-        self._streams[req.request_id] = queue
+        stream = OutputStream(asyncio.get_running_loop())
+        self._streams[req.request_id] = stream
         finished = False
         try:
             try:
@@ -80,9 +82,9 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             except RuntimeError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             while not finished:
-                output = await queue.get()
-                finished = output.finished
-                yield to_proto(output, engine_pb2.EngineCoreOutput)
+                for output in await stream.get():
+                    finished = output.finished
+                    yield to_proto(output, engine_pb2.EngineCoreOutput)
         finally:
             del self._streams[req.request_id]
             if not finished:  # cancelled or the caller went away
