@@ -12,21 +12,27 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @cache
-def hf_model(model_dir: Path, dtype: str = "float32") -> Any:
+def hf_model(model_dir: Path, dtype: str = "float32", attn_implementation: str = "sdpa") -> Any:
     """The HF model for `model_dir` in `dtype`, loaded once per process."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+    ).eval()
 
 
 def hf_greedy(
-    model_dir: Path, prompt_ids_list: list[list[int]], max_new_tokens: int, dtype: str = "float32"
+    model_dir: Path,
+    prompt_ids_list: list[list[int]],
+    max_new_tokens: int,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
 ) -> list[list[int]]:
     """Greedy continuations by HF `generate`, one prompt at a time (no padding), never stopping
     at EOS: exactly `max_new_tokens` tokens per prompt."""
     from transformers import GenerationConfig
 
-    model = hf_model(model_dir, dtype)
+    model = hf_model(model_dir, dtype, attn_implementation)
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
-from worker_service.models.layers import RMSNorm, interleave_permutation
+from worker_service.models.layers import interleave_permutation
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.registry import model_class
 
@@ -50,16 +50,14 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 loaded |= _load_tensor(model, model.config, name, f.get_tensor(name))
     _check_complete(model, loaded)
-    model.finalize_weights()
     return model.eval()
 
 
 def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
-    """Weights in `dtype`, RMSNorm weights kept in float32."""
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    """Every weight in `dtype` (RMSNorm weights too, as HF keeps them)."""
     for p in model.parameters():
         p.requires_grad_(False)
-        p.data = p.data.to(torch.float32 if id(p) in norms else dtype)
+        p.data = p.data.to(dtype)
 
 
 def _load_tensor(

@@ -1,7 +1,8 @@
 """Building blocks of Llama-family decoders: RMSNorm, rotary embedding, fused MLP.
 
-Precision rule: weights and matmuls run in the model dtype (bf16 by default),
-while RMSNorm, RoPE and the logits are computed in float32.
+Precision rule (HF's): weights, matmuls and the residual stream are in the model
+dtype (bf16 by default); RMSNorm statistics, RoPE angles, attention softmax and
+matmul accumulation are float32, and the logits are returned as float32.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from worker_service.models.config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32.
+    """RMSNorm as HF computes it: normalized in float32, cast back, scaled by the weight.
 
-    `forward(x, residual)` fuses the residual add and keeps the residual stream in
-    float32: it returns `(norm(x + residual) in x's dtype, x + residual in float32)`.
-    A bf16 residual stream loses enough precision to flip close greedy choices.
+    `forward(x, residual)` fuses the residual add: it returns
+    `(norm(x + residual), x + residual)`, as vLLM does. The residual stream stays in
+    the model dtype like HF's, so bf16 results track HF bf16 (acceptance 4).
     """
 
     def __init__(self, size: int, eps: float) -> None:
@@ -31,14 +32,14 @@ class RMSNorm(nn.Module):
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """[..., size] -> [..., size] in x's dtype."""
-        return F.rms_norm(x.float(), self.size, self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), self.size, None, self.eps).to(x.dtype) * self.weight
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, size] (model dtype), residual [n, size] float32 or None."""
-        stream = x.float() if residual is None else residual + x  # [n, size] float32
-        return F.rms_norm(stream, self.size, self.weight, self.eps).to(x.dtype), stream
+        if residual is not None:
+            x = x + residual
+        return self.norm(x), x
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -70,24 +71,34 @@ def interleave_permutation(head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary embedding on interleaved q/k (see `interleave_permutation`), in float32."""
+    """Rotary embedding on interleaved q/k (see `interleave_permutation`).
+
+    cos/sin are computed in float32 and cast to the activation dtype, and the rotation
+    is done in that dtype with HF's order of roundings (x*cos + rotate(x)*sin).
+    """
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, rope))
-        # [max_positions, head_dim // 2] complex64
-        self.register_buffer("cis", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        freqs = torch.outer(
+            torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, rope)
+        )  # [max_positions, head_dim // 2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        """[num_tokens] -> [num_tokens, 1, head_dim // 2] complex factors, once per step."""
-        return self.cis.index_select(0, positions).unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens] -> cos, sin [num_tokens, 1, head_dim // 2] in `dtype`, once per step."""
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
 
     @staticmethod
-    def apply(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, heads, head_dim] (interleaved) rotated by cis; same dtype as x."""
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [num_tokens, heads, head_dim] (interleaved pairs) -> rotated, same shape and dtype."""
+        cos, sin = cos_sin
         n, heads, dim = x.shape
-        pairs = torch.view_as_complex(x.float().reshape(n, heads, dim // 2, 2))
-        return torch.view_as_real(pairs * cis).reshape(n, heads, dim).to(x.dtype)
+        pairs = x.reshape(n, heads, dim // 2, 2)
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).view(n, heads, dim)
 
 
 class GatedMLP(nn.Module):

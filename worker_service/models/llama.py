@@ -40,7 +40,7 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cis: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split(self.split, dim=-1)
         qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cis: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None, cis: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cis)
@@ -93,7 +93,6 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        self.logits_weight = torch.empty(0)  # [vocab, hidden] float32, set by finalize_weights
 
     @classmethod
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -104,21 +103,16 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden] float32."""
-        cis = self.rotary.lookup(positions)
+        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden]."""
+        cis = self.rotary.lookup(positions, self.embed_tokens.weight.dtype)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, cis)
-        return F.rms_norm(residual + x, self.norm.size, self.norm.weight, self.norm.eps)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] float32 -> [n, vocab] float32 logits (float32 weights and accumulation:
-        in bf16 the top logits of the default model are often closer than bf16's resolution)."""
-        return F.linear(hidden.float(), self.logits_weight)
-
-    def finalize_weights(self) -> None:
-        """After loading: a float32 copy of the LM head for the logits (shared when float32)."""
-        self.logits_weight = self.lm_head.weight.float()
+        """[n, hidden] -> [n, vocab] float32 logits (accumulated in float32 by the matmul)."""
+        return F.linear(hidden, self.lm_head.weight).float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
