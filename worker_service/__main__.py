@@ -16,21 +16,31 @@ log = logging.getLogger("worker_service")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker_service", description=__doc__)
-    p.add_argument("--model", default="default", help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="HF model directory, or 'default' (SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--served-model-name", default="", help="name reported in ModelInfo")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="CPU KV pool budget (e.g. 2GiB, 512MiB)")
+    p.add_argument(
+        "--kv-cache-memory", default="2GiB", help="CPU KV pool budget (e.g. 2GiB, 512MiB)"
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "cpu", "reference"])
+    p.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "triton", "cpu", "reference"]
+    )
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0: all cores")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generator shared by unseeded requests")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the generator shared by unseeded requests"
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -58,6 +68,10 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
+def _set_soon(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    loop.call_soon_threadsafe(event.set)
+
+
 async def serve(config: WorkerConfig, address: str) -> None:
     """Load the model, serve until SIGTERM/SIGINT or a Shutdown call, then stop cleanly."""
     from worker_service.worker import Worker
@@ -67,7 +81,7 @@ async def serve(config: WorkerConfig, address: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = build_server(address, worker, on_shutdown=lambda: loop.call_soon_threadsafe(stop.set))
+    server = build_server(address, worker, on_shutdown=lambda: _set_soon(loop, stop))
     await server.start()
     await server.set_serving(True)
     log.info("worker serving on %s:%d", address.rsplit(":", 1)[0], server.port)

@@ -91,7 +91,9 @@ class InputBatch:
             raise ValueError(f"cached request {cached.request_id!r} is unknown to this worker")
         end = state.num_blocks + len(cached.new_block_ids)
         if end > self.max_blocks:
-            raise ValueError(f"request {cached.request_id!r} has more blocks than max_model_len allows")
+            raise ValueError(
+                f"request {cached.request_id!r} has more blocks than max_model_len allows"
+            )
         self.block_table[state.row, state.num_blocks : end] = cached.new_block_ids
         state.num_blocks, state.num_computed = end, cached.num_computed_tokens
 
@@ -122,7 +124,9 @@ class InputBatch:
                 f"request {state.req_id!r}: {state.num_blocks} blocks hold fewer than {end} tokens"
             )
 
-    def prepare(self, order: list[RequestState], num_scheduled: list[int], device: torch.device) -> StepBatch:
+    def prepare(
+        self, order: list[RequestState], num_scheduled: list[int], device: torch.device
+    ) -> StepBatch:
         """Pack the scheduled tokens of `order` (already decode-first) into one batch."""
         rows = np.fromiter((s.row for s in order), dtype=np.int64, count=len(order))
         computed = np.fromiter((s.num_computed for s in order), dtype=np.int64, count=len(order))
@@ -171,7 +175,9 @@ class InputBatch:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         bad = [t for t in new.sampling_params.logit_bias if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary ({self.vocab_size})")
+            raise ValueError(
+                f"logit_bias token id {bad[0]} is outside the vocabulary ({self.vocab_size})"
+            )
 
     def _grow(self) -> None:
         n = self.token_ids.shape[0]

@@ -62,7 +62,11 @@ def cpu_kv_budget(configured: int) -> int:
 
 
 def allocate(
-    model: LlamaForCausalLM, spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype, device: torch.device
+    model: LlamaForCausalLM,
+    spec: KVCacheSpec,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> int:
     """Allocate zeroed pools of `num_blocks` blocks, bind them to the layers; returns bytes."""
     if num_blocks < 1:

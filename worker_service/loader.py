@@ -81,7 +81,9 @@ def _load_tensor(
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
     if params[name].shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+        raise ValueError(
+            f"{name}: checkpoint {tuple(tensor.shape)} != model {tuple(params[name].shape)}"
+        )
     params[name].data.copy_(tensor)
     return {name}
 
@@ -112,4 +114,6 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
         elif name not in loaded:
             missing.append(name)
     if missing:
-        raise ValueError(f"weights missing from the checkpoint: {missing[:5]} ({len(missing)} in all)")
+        raise ValueError(
+            f"weights missing from the checkpoint: {missing[:5]} ({len(missing)} in all)"
+        )

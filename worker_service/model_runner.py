@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from services.config import WorkerConfig
-from services.step_types import ModelRunnerOutput, PromptLogprobs, SampledTokens, SchedulerOutput, WorkerTimings
+from services.step_types import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SampledTokens,
+    SchedulerOutput,
+    WorkerTimings,
+)
 from services.types import TokenLogprobs
 from worker_service import kv_cache
 from worker_service.attention import get_attention_backend
@@ -40,10 +46,14 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_dir, self.dtype, device, self.backend)
         arch = self.model.config
-        self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        self.max_model_len = min(
+            config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+        )
         self.block_size = config.cache.block_size
         self.spec = kv_cache.make_spec(arch, self.block_size, self.dtype)
-        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size, arch.vocab_size)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, self.max_model_len, self.block_size, arch.vocab_size
+        )
         self.sampler = Sampler(device, config.model.seed)
         self.num_blocks = 0
 
@@ -149,7 +159,9 @@ class ModelRunner:
         states = [step.states[i] for i in step.sample_reqs]
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         eos = self.model.config.eos_token_ids
-        result = self.sampler(logits, build_sampling_batch(states, self.input_batch, eos, self.device))
+        result = self.sampler(
+            logits, build_sampling_batch(states, self.input_batch, eos, self.device)
+        )
         tokens = result.token_ids.tolist()
         logprobs = to_token_logprobs(result, [s.params.logprobs for s in states])
         for i, token, lp in zip(step.sample_reqs, tokens, logprobs, strict=True):
@@ -162,23 +174,37 @@ class ModelRunner:
         starts = step.meta.query_start_loc.tolist()
         for i, state in enumerate(step.states):
             k = state.params.prompt_logprobs
-            first, end = state.num_computed, min(state.num_computed + int(step.num_scheduled[i]), state.prompt_len - 1)
+            first, end = (
+                state.num_computed,
+                min(state.num_computed + int(step.num_scheduled[i]), state.prompt_len - 1),
+            )
             if k is None or state.resumed or end <= first:
                 continue
             rows = torch.arange(starts[i], starts[i] + end - first, device=self.device)
-            targets = torch.from_numpy(self.input_batch.token_ids[state.row, first + 1 : end + 1]).to(self.device)
+            targets = torch.from_numpy(
+                self.input_batch.token_ids[state.row, first + 1 : end + 1]
+            ).to(self.device)
             entries = self._logprobs_of(hidden.index_select(0, rows), targets, k)
             results.append(PromptLogprobs(state.req_id, first + 1, entries))
         return results
 
-    def _logprobs_of(self, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    def _logprobs_of(
+        self, hidden: torch.Tensor, targets: torch.Tensor, k: int
+    ) -> list[TokenLogprobs]:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # [n, V]
         chosen = logprobs.gather(1, targets.unsqueeze(1))
         ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (chosen[:, :0], targets[:, None][:, :0])
+        top_lp, top_ids = (
+            logprobs.topk(k, dim=-1) if k > 0 else (chosen[:, :0], targets[:, None][:, :0])
+        )
         return [
             TokenLogprobs(t, lp, r, ids, lps)
             for t, lp, r, ids, lps in zip(
-                targets.tolist(), chosen.squeeze(1).tolist(), ranks, top_ids.tolist(), top_lp.tolist(), strict=True
+                targets.tolist(),
+                chosen.squeeze(1).tolist(),
+                ranks,
+                top_ids.tolist(),
+                top_lp.tolist(),
+                strict=True,
             )
         ]

@@ -75,14 +75,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] float32 (modified in place) -> sampled tokens (+ logprobs if asked)."""
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
-        )
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
         logits = apply_constraints(logits, batch)
-        if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, batch)
+        tokens = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
         out = SamplerOutput(tokens)
         if raw_logprobs is not None:
             fill_logprobs(out, raw_logprobs, batch.max_num_logprobs)

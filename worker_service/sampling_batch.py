@@ -34,7 +34,9 @@ def build_sampling_batch(
 def _fill_filters(sb: SamplingBatch, states: list[RequestState], device: torch.device) -> None:
     params = [s.params for s in states]
     if any(p.top_k > 0 and not p.greedy for p in params):
-        sb.top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in params], device=device)
+        sb.top_k = torch.tensor(
+            [p.top_k if p.top_k > 0 else 1 << 30 for p in params], device=device
+        )
     if any(p.top_p < 1 for p in params):
         sb.top_p = torch.tensor([p.top_p for p in params], device=device)
     if any(p.min_p > 0 for p in params):
@@ -59,7 +61,9 @@ def _penalties(states: list[RequestState], batch: InputBatch, device: torch.devi
     in_output = (pos >= prompt_len) & (pos < num_tokens)
     pad = torch.full_like(ids, vocab)  # an extra column absorbs the other positions
     counts = torch.zeros(len(states), vocab + 1, device=device)
-    counts.scatter_add_(1, torch.where(in_output, ids, pad), torch.ones_like(ids, dtype=torch.float32))
+    counts.scatter_add_(
+        1, torch.where(in_output, ids, pad), torch.ones_like(ids, dtype=torch.float32)
+    )
     prompt = torch.zeros(len(states), vocab + 1, dtype=torch.bool, device=device)
     prompt.scatter_(1, torch.where(in_prompt, ids, pad), True)
     return Penalties(

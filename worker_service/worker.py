@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 def select_device(name: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu."""
+    """ "auto" -> cuda when available, else cpu."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -28,9 +29,20 @@ def select_device(name: str) -> torch.device:
 
 def configure_threads(num_threads: int) -> int:
     """Set torch's intra-op threads (0 = every core this process may run on); returns the count."""
-    count = num_threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    count = num_threads or cores or 1
     torch.set_num_threads(count)
     return count
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 matmul instructions (AVX512-BF16 or AMX); without them
+    torch emulates bf16 GEMMs, several times slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True  # unknown: do not warn
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class Worker:
@@ -41,6 +53,11 @@ class Worker:
         self.device = select_device(config.model.device)
         if self.device.type == "cpu":
             configure_threads(config.num_threads)
+            if config.model.dtype == "bfloat16" and not cpu_has_native_bf16():
+                log.warning(
+                    "this CPU has no native bf16 matmul (AVX512-BF16/AMX): bf16 runs "
+                    "emulated and slower than --dtype float32"
+                )
         model_dir = resolve_model(config.model.model)
         self.runner = ModelRunner(config, model_dir, self.device)
         arch = self.runner.model.config
@@ -76,7 +93,12 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> int:
         allocated = self.runner.initialize_cache(num_blocks)
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, self.runner.block_size, allocated / 2**20)
+        log.info(
+            "KV cache: %d blocks of %d tokens, %.1f MiB",
+            num_blocks,
+            self.runner.block_size,
+            allocated / 2**20,
+        )
         return allocated
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

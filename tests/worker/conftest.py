@@ -26,14 +26,14 @@ def _base_text() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(default_model_dir: Path):  # type: ignore[no-untyped-def]
+def tokenizer(default_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
 @pytest.fixture(scope="session")
-def eight_prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def eight_prompts(tokenizer) -> list[list[int]]:
     """8 prompts of 5..600 tokens; four share a long prefix (for the prefix-cache regime)."""
     base = tokenizer(_base_text())["input_ids"]
     chat = tokenizer.apply_chat_template(
@@ -100,6 +100,8 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> int:
 @pytest.fixture(scope="session")
 def fp32_worker() -> Iterator[str]:
     """Address of a float32 worker process (default model, cpu attention backend)."""
-    proc, address = spawn_worker("--model", "default", "--dtype", "float32", "--log-level", "WARNING")
+    proc, address = spawn_worker(
+        "--model", "default", "--dtype", "float32", "--log-level", "WARNING"
+    )
     yield address
     assert stop_worker(proc) == 0

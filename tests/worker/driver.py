@@ -76,7 +76,9 @@ class MiniScheduler:
             out = self.worker.execute_model(so)
             assert not out.request_errors, out.request_errors
             self._update(scheduled, dict(zip(out.req_ids, out.sampled, strict=True)), done)
-        self.worker.execute_model(SchedulerOutput(self.stats.steps + 1, finished_req_ids=self.dropped))
+        self.worker.execute_model(
+            SchedulerOutput(self.stats.steps + 1, finished_req_ids=self.dropped)
+        )
         return done
 
     # ----------------------------------------------------------- scheduling
@@ -92,7 +94,9 @@ class MiniScheduler:
             new_blocks = self._grow(req, req.num_computed + n, so)
             if new_blocks is None:
                 continue  # req itself was preempted
-            so.scheduled_cached_reqs.append(CachedRequestData(req.req_id, new_blocks, req.num_computed))
+            so.scheduled_cached_reqs.append(
+                CachedRequestData(req.req_id, new_blocks, req.num_computed)
+            )
             scheduled.append((req, n))
             budget -= n
         while budget and self.waiting and self.waiting[0].arrival_step <= self.stats.steps:
@@ -198,7 +202,9 @@ class MiniScheduler:
                 self.block_hash[req.block_ids[j]] = h
 
     # --------------------------------------------------------------- update
-    def _update(self, scheduled: list[tuple[DriverRequest, int]], sampled: dict, done: dict) -> None:
+    def _update(
+        self, scheduled: list[tuple[DriverRequest, int]], sampled: dict, done: dict
+    ) -> None:
         for req, n in scheduled:
             req.num_computed += n
             tokens = sampled[req.req_id].token_ids

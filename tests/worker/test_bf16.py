@@ -38,17 +38,21 @@ def _greedy(worker: Worker, prompts: list[list[int]], n: int, tag: str) -> list[
     return [out[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
-def test_bf16_answers_paris(bf16_worker: Worker, tokenizer, eight_prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+def test_bf16_answers_paris(bf16_worker: Worker, tokenizer, eight_prompts: list[list[int]]) -> None:
     answer = _greedy(bf16_worker, [eight_prompts[1]], 12, "paris")[0]  # the chat question
     assert "Paris" in tokenizer.decode(answer)
 
 
-def test_bf16_first_16_tokens_match_hf_bf16(bf16_worker: Worker, default_model_dir, eight_prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+def test_bf16_first_16_tokens_match_hf_bf16(
+    bf16_worker: Worker, default_model_dir, eight_prompts: list[list[int]]
+) -> None:
     # One request at a time, like the reference: bf16 GEMM rounding depends on the batch shape.
     ours = [_greedy(bf16_worker, [p], 16, f"bf16-{i}")[0] for i, p in enumerate(eight_prompts)]
     reference = hf_greedy(default_model_dir, eight_prompts, 16, "bfloat16")
     hf_eager = hf_greedy(default_model_dir, eight_prompts, 16, "bfloat16", "eager")
     matches = [a == b for a, b in zip(ours, reference, strict=True)]
     eager_matches = [a == b for a, b in zip(hf_eager, reference, strict=True)]
-    print(f"bf16 first-16 agreement with HF sdpa: ours {sum(matches)}/8, HF eager {sum(eager_matches)}/8")
+    print(
+        f"bf16 first-16 agreement with HF sdpa: ours {sum(matches)}/8, HF eager {sum(eager_matches)}/8"
+    )
     assert sum(matches) >= min(7, sum(eager_matches)), f"ours {matches}, HF eager {eager_matches}"

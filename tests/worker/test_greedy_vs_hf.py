@@ -49,13 +49,19 @@ def test_greedy_matches_hf_fp32(
     if regime == "chunked_prefill":
         assert sched.stats.chunked_steps > 0
     if regime == "prefix_cache":
-        assert sched.stats.prefix_hit_tokens >= 3 * 128  # three prompts reuse the first one's blocks
+        assert (
+            sched.stats.prefix_hit_tokens >= 3 * 128
+        )  # three prompts reuse the first one's blocks
     if regime == "preemption":
         assert sched.stats.preemptions > 0
     for i, expected in enumerate(hf_fp32_greedy):
         got = outputs[f"{regime}-{i}"]
-        assert got == expected, f"prompt {i} ({len(eight_prompts[i])} tokens) diverges at {_first_diff(got, expected)}"
+        assert got == expected, (
+            f"prompt {i} ({len(eight_prompts[i])} tokens) diverges at {_first_diff(got, expected)}"
+        )
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )

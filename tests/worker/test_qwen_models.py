@@ -4,6 +4,7 @@ logits through the worker (prompt logprobs, chunked prefill, decode) as HF's own
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from services.types import SamplingParams
 from tests.hf_reference import hf_greedy, hf_logits
 from worker_service.worker import Worker
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=320,
     hidden_size=64,
     intermediate_size=96,
@@ -30,6 +31,7 @@ def _save_tiny(kind: str, path: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
+    model: Any
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     else:  # head_dim deliberately != hidden / heads, untied head
@@ -89,5 +91,9 @@ def test_chunked_prefill_and_decode_match_hf_generate(tiny_model: Path) -> None:
     tokens = list(out.sampled[0].token_ids)
     for step in range(7):
         cached = CachedRequestData("g", [], 40 + step)
-        tokens += worker.execute_model(SchedulerOutput(3 + step, [], [cached], {"g": 1}, 1)).sampled[0].token_ids
+        tokens += (
+            worker.execute_model(SchedulerOutput(3 + step, [], [cached], {"g": 1}, 1))
+            .sampled[0]
+            .token_ids
+        )
     assert tokens == hf_greedy(tiny_model, [PROMPT], 8, "float32")[0]

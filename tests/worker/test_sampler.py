@@ -14,7 +14,7 @@ from services.step_types import CachedRequestData, NewRequestData, SchedulerOutp
 from services.types import SamplingParams
 from tests.worker.test_qwen_models import _save_tiny
 from worker_service.input_batch import InputBatch, RequestState
-from worker_service.sampler import Sampler
+from worker_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
 from worker_service.worker import Worker
 
@@ -23,7 +23,9 @@ EOS = (2,)
 CPU = torch.device("cpu")
 
 
-def _states(params: list[SamplingParams], prompt: list[int], outputs: list[int] | None = None) -> tuple[list[RequestState], InputBatch]:
+def _states(
+    params: list[SamplingParams], prompt: list[int], outputs: list[int] | None = None
+) -> tuple[list[RequestState], InputBatch]:
     batch = InputBatch(len(params), 128, 16, V)
     states = [
         batch.add(NewRequestData(f"r{i}", prompt, list(outputs or []), p, block_ids=[i]))
@@ -32,8 +34,14 @@ def _states(params: list[SamplingParams], prompt: list[int], outputs: list[int] 
     return states, batch
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams], prompt: list[int] = [5], outputs: list[int] | None = None, seed: int = 0):  # noqa: B006
-    states, batch = _states(params, prompt, outputs)
+def _sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt: tuple[int, ...] = (5,),
+    outputs: list[int] | None = None,
+    seed: int = 0,
+) -> tuple[SamplerOutput, SamplingBatch]:
+    states, batch = _states(params, list(prompt), outputs)
     sb = build_sampling_batch(states, batch, EOS, CPU)
     return Sampler(CPU, seed)(logits.clone(), sb), sb
 
@@ -114,7 +122,11 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
 
 def test_logprobs_sanity() -> None:
     logits = torch.randn(3, V) * 2
-    params = [SamplingParams(temperature=1.0, logprobs=5), SamplingParams(temperature=0.0, logprobs=0), SamplingParams()]
+    params = [
+        SamplingParams(temperature=1.0, logprobs=5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(),
+    ]
     out, _ = _sample(logits, params)
     entries = to_token_logprobs(out, [p.logprobs for p in params])
     ref = torch.log_softmax(logits, -1)
@@ -124,9 +136,11 @@ def test_logprobs_sanity() -> None:
         assert e is not None and e.token_id == out.token_ids[i].item()
         assert e.logprob == pytest.approx(ref[i, e.token_id].item(), abs=1e-5)
         assert e.rank == int((ref[i] > ref[i, e.token_id]).sum()) + 1
-    assert len(entries[0].top_logprobs) == 5 and entries[1].top_logprobs == []
-    assert sum(math.exp(x) for x in entries[0].top_logprobs) <= 1.0 + 1e-6
-    assert entries[0].top_logprobs == sorted(entries[0].top_logprobs, reverse=True)
+    first, second = entries[0], entries[1]
+    assert first is not None and second is not None
+    assert len(first.top_logprobs) == 5 and second.top_logprobs == []
+    assert sum(math.exp(x) for x in first.top_logprobs) <= 1.0 + 1e-6
+    assert first.top_logprobs == sorted(first.top_logprobs, reverse=True)
 
 
 def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
@@ -135,19 +149,30 @@ def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
     alone = [_sample(logits, [seeded], seed=s)[0].token_ids[0].item() for s in range(5)]
     assert len(set(alone)) == 1  # the shared generator's seed does not matter
     batch_logits = torch.cat([torch.randn(3, V), logits, torch.randn(2, V)])
-    params = [SamplingParams(), SamplingParams(seed=9), SamplingParams(top_p=0.5), seeded, SamplingParams(), SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(),
+        SamplingParams(seed=9),
+        SamplingParams(top_p=0.5),
+        seeded,
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+    ]
     assert _sample(batch_logits, params, seed=77)[0].token_ids[3].item() == alone[0]
 
 
 @pytest.fixture(scope="module")
 def tiny_worker(tmp_path_factory: pytest.TempPathFactory) -> Worker:
     path: Path = _save_tiny("qwen2", tmp_path_factory.mktemp("qwen2-sampler"))
-    worker = Worker(WorkerConfig(model=ModelConfig(model=str(path), dtype="float32"), max_num_seqs=8))
+    worker = Worker(
+        WorkerConfig(model=ModelConfig(model=str(path), dtype="float32"), max_num_seqs=8)
+    )
     worker.initialize_cache(64)
     return worker
 
 
-def _run(worker: Worker, reqs: dict[str, SamplingParams], steps: int, prefix: str, resume_at: int = -1) -> dict[str, list[int]]:
+def _run(
+    worker: Worker, reqs: dict[str, SamplingParams], steps: int, prefix: str, resume_at: int = -1
+) -> dict[str, list[int]]:
     """Prefill then decode every request; optionally preempt and resume 's' at step resume_at."""
     prompt = [(3 * i + 1) % 320 for i in range(20)]
     blocks = {rid: [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3] for k, rid in enumerate(reqs)}
@@ -162,10 +187,21 @@ def _run(worker: Worker, reqs: dict[str, SamplingParams], steps: int, prefix: st
         for rid in reqs:
             if rid == "s" and step + 1 == resume_at:  # preempted: dropped, re-sent with outputs
                 so.preempted_req_ids.append(prefix + rid)
-                so.scheduled_new_reqs.append(NewRequestData(prefix + rid, prompt, outs[rid], reqs[rid], blocks[rid], resumed_from_preemption=True))
+                so.scheduled_new_reqs.append(
+                    NewRequestData(
+                        prefix + rid,
+                        prompt,
+                        outs[rid],
+                        reqs[rid],
+                        blocks[rid],
+                        resumed_from_preemption=True,
+                    )
+                )
                 so.num_scheduled_tokens[prefix + rid] = 20 + len(outs[rid])
             else:
-                so.scheduled_cached_reqs.append(CachedRequestData(prefix + rid, [], 20 + len(outs[rid]) - 1))
+                so.scheduled_cached_reqs.append(
+                    CachedRequestData(prefix + rid, [], 20 + len(outs[rid]) - 1)
+                )
     worker.execute_model(SchedulerOutput(steps + 1, finished_req_ids=[prefix + r for r in reqs]))
     return outs
 
@@ -181,5 +217,7 @@ def test_seeded_request_same_alone_in_batch_and_after_preemption(tiny_worker: Wo
     }
     assert _run(tiny_worker, others, 12, "b-")["s"] == alone
     assert _run(tiny_worker, others, 12, "c-", resume_at=5)["s"] == alone
-    unseeded = _run(tiny_worker, {"s": SamplingParams(temperature=1.0, max_tokens=12)}, 12, "d-")["s"]
+    unseeded = _run(tiny_worker, {"s": SamplingParams(temperature=1.0, max_tokens=12)}, 12, "d-")[
+        "s"
+    ]
     assert unseeded != alone  # the seed, not the model, fixes the tokens (12 tokens over 320)

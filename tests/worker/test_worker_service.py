@@ -27,17 +27,33 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tiny_dir: Path) -> Iterator[tuple[GrpcWorkerClient, object]]:
-    proc, address = spawn_worker("--model", str(tiny_dir), "--dtype", "float32", "--kv-cache-memory", "64MiB")
+    proc, address = spawn_worker(
+        "--model", str(tiny_dir), "--dtype", "float32", "--kv-cache-memory", "64MiB"
+    )
     client = GrpcWorkerClient(address)
     yield client, proc
     client.close()
     if proc.poll() is None:
-        assert stop_worker(proc) == 0  # type: ignore[arg-type]
+        assert stop_worker(proc) == 0
 
 
 def test_help_lists_the_flags() -> None:
-    out = subprocess.run([sys.executable, "-m", "worker_service", "--help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    for flag in ("--model", "--dtype", "--block-size", "--kv-cache-memory", "--max-model-len", "--attention-backend", "--num-threads"):
+    out = subprocess.run(
+        [sys.executable, "-m", "worker_service", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for flag in (
+        "--model",
+        "--dtype",
+        "--block-size",
+        "--kv-cache-memory",
+        "--max-model-len",
+        "--attention-backend",
+        "--num-threads",
+    ):
         assert flag in out
 
 
@@ -47,7 +63,10 @@ def test_unsupported_architecture_is_a_clear_error(tiny_dir: Path, tmp_path: Pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     proc = subprocess.run(
         [sys.executable, "-m", "worker_service", "--model", str(tmp_path), "--port", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "unsupported model architecture 'GPT2LMHeadModel'" in proc.stderr
@@ -56,7 +75,11 @@ def test_unsupported_architecture_is_a_clear_error(tiny_dir: Path, tmp_path: Pat
 def test_handshake(served: tuple[GrpcWorkerClient, object]) -> None:
     client, _ = served
     info = client.get_model_info()
-    assert info.vocab_size == 320 and info.architecture == "Qwen3ForCausalLM" and info.max_model_len == 256
+    assert (
+        info.vocab_size == 320
+        and info.architecture == "Qwen3ForCausalLM"
+        and info.max_model_len == 256
+    )
     spec = client.get_kv_cache_spec()
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size) == (2, 2, 32, 16)
     assert spec.bytes_per_block == 2 * 2 * 16 * 2 * 32 * 4
@@ -64,11 +87,17 @@ def test_handshake(served: tuple[GrpcWorkerClient, object]) -> None:
     assert client.initialize_cache(16) == 16 * spec.bytes_per_block
 
 
-def test_request_errors_and_failed_step_keep_the_server_up(served: tuple[GrpcWorkerClient, object]) -> None:
+def test_request_errors_and_failed_step_keep_the_server_up(
+    served: tuple[GrpcWorkerClient, object],
+) -> None:
     client, _ = served
     client.initialize_cache(16)
-    good = NewRequestData("ok", [1, 2, 3], sampling_params=SamplingParams(temperature=0.0), block_ids=[0])
-    bad = NewRequestData("bad", [1, 2], sampling_params=SamplingParams(logit_bias={999: 1.0}), block_ids=[1])
+    good = NewRequestData(
+        "ok", [1, 2, 3], sampling_params=SamplingParams(temperature=0.0), block_ids=[0]
+    )
+    bad = NewRequestData(
+        "bad", [1, 2], sampling_params=SamplingParams(logit_bias={999: 1.0}), block_ids=[1]
+    )
     out = client.execute_model(SchedulerOutput(1, [good, bad], [], {"ok": 3, "bad": 2}, 5))
     assert out.req_ids == ["ok"] and len(out.sampled[0].token_ids) == 1
     assert "logit_bias token id 999" in out.request_errors["bad"]
@@ -76,13 +105,17 @@ def test_request_errors_and_failed_step_keep_the_server_up(served: tuple[GrpcWor
     with pytest.raises(RuntimeError, match="INTERNAL"):
         client.execute_model(SchedulerOutput(2, [broken], [], {"oob": 2}, 2))
     out = client.execute_model(
-        SchedulerOutput(3, [], [CachedRequestData("ok", [], 3)], {"ok": 1}, 1, finished_req_ids=["oob"])
+        SchedulerOutput(
+            3, [], [CachedRequestData("ok", [], 3)], {"ok": 1}, 1, finished_req_ids=["oob"]
+        )
     )
     assert out.req_ids == ["ok"] and len(out.sampled[0].token_ids) == 1
     assert client.is_serving()
 
 
-def test_shutdown_rpc_stops_the_process(served: tuple[GrpcWorkerClient, subprocess.Popen[bytes]]) -> None:
+def test_shutdown_rpc_stops_the_process(
+    served: tuple[GrpcWorkerClient, subprocess.Popen[bytes]],
+) -> None:
     client, proc = served
     client.shutdown()
     assert proc.wait(timeout=30) == 0

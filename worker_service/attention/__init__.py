@@ -24,7 +24,9 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (choose from auto, {', '.join(_BACKENDS)})")
+        raise ValueError(
+            f"unknown attention backend {name!r} (choose from auto, {', '.join(_BACKENDS)})"
+        )
     if name == "triton" and device.type != "cuda":
         raise ValueError("the triton attention backend needs a CUDA device")
     module, cls = _BACKENDS[name]

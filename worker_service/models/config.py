@@ -67,7 +67,9 @@ def read_model_config(model_dir: Path) -> ModelArchConfig:
     eos = _ids(cfg.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        eos += [t for t in _ids(json.loads(gen_path.read_text()).get("eos_token_id")) if t not in eos]
+        eos += [
+            t for t in _ids(json.loads(gen_path.read_text()).get("eos_token_id")) if t not in eos
+        ]
     return ModelArchConfig(
         architecture=str(archs[0]),
         vocab_size=int(cfg["vocab_size"]),

@@ -82,17 +82,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(
             torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, rope)
         )  # [max_positions, head_dim // 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.cos_table: torch.Tensor
+        self.sin_table: torch.Tensor
+        self.register_buffer("cos_table", freqs.cos(), persistent=False)
+        self.register_buffer("sin_table", freqs.sin(), persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens] -> cos, sin [num_tokens, 1, head_dim // 2] in `dtype`, once per step."""
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
     @staticmethod
-    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [num_tokens, heads, head_dim] (interleaved pairs) -> rotated, same shape and dtype."""
         cos, sin = cos_sin
         n, heads, dim = x.shape

@@ -46,10 +46,13 @@ class PagedAttention(nn.Module):
         qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat(
-                [self.q_norm.norm(qk[:, : self.num_heads]), self.k_norm.norm(qk[:, self.num_heads :])],
+                [
+                    self.q_norm.norm(qk[:, : self.num_heads]),
+                    self.k_norm.norm(qk[:, self.num_heads :]),
+                ],
                 dim=1,
             )
-        qk = RotaryEmbedding.apply(qk, cis)  # [n, heads + kv_heads, head_dim]
+        qk = RotaryEmbedding.rotate(qk, cis)  # [n, heads + kv_heads, head_dim]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         meta = get_attention_metadata()
@@ -100,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
         return cfg
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn for layer in self.layers]
+        return [layer.self_attn for layer in self.layers if isinstance(layer, DecoderLayer)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden]."""

@@ -1,0 +1,177 @@
+"""Worker decode/prefill throughput vs HF transformers, same machine, same run.
+
+    python -m benchmarks.decode_bench [--dtype bfloat16] [--steps 64] [--repeats 3] [--profile]
+
+Measures (medians over repeats): batch-1 decode tokens/s, batch-32 decode tokens/s and a
+512-token prefill, for the in-process Worker (no gRPC) and for HF transformers (eager
+generate with a KV cache; a static batch of 32 equal-length prompts). Decode time excludes
+the prefill: HF's is t(generate 1 + N tokens) - t(generate 1 token). Writes
+bench-results/decode.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from services.config import ModelConfig, WorkerConfig
+from services.default_model import resolve_model
+from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
+from services.types import SamplingParams
+from worker_service.worker import Worker, configure_threads
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+PROMPT_LEN = 16
+BLOCK = 16
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(1000 + 37 * i + 11 * j) % 40000 + 100 for j in range(n)]
+
+
+class WorkerBench:
+    """Drives a Worker directly with hand-built SchedulerOutputs."""
+
+    def __init__(self, dtype: Literal["bfloat16", "float32"]) -> None:
+        self.worker = Worker(WorkerConfig(model=ModelConfig(dtype=dtype)))
+        self.worker.initialize_cache(1024)
+        self.step = 0
+
+    def _run(self, so: SchedulerOutput) -> None:
+        self.step += 1
+        so.step_id = self.step
+        self.worker.execute_model(so)
+
+    def decode(self, batch: int, steps: int, tag: str) -> float:
+        """Seconds for `steps` decode steps of `batch` requests (prefill not timed)."""
+        blocks_each = -(-(PROMPT_LEN + steps + 1) // BLOCK)
+        ids = [f"{tag}-{i}" for i in range(batch)]
+        news = [
+            NewRequestData(
+                r,
+                _prompt(i, PROMPT_LEN),
+                [],
+                GREEDY,
+                list(range(i * blocks_each, (i + 1) * blocks_each)),
+            )
+            for i, r in enumerate(ids)
+        ]
+        self._run(SchedulerOutput(0, news, [], dict.fromkeys(ids, PROMPT_LEN), batch * PROMPT_LEN))
+        start = time.perf_counter()
+        for k in range(steps):
+            cached = [CachedRequestData(r, [], PROMPT_LEN + k) for r in ids]
+            self._run(SchedulerOutput(0, [], cached, dict.fromkeys(ids, 1), batch))
+        elapsed = time.perf_counter() - start
+        self._run(SchedulerOutput(0, finished_req_ids=ids))
+        return elapsed
+
+    def prefill(self, n: int, tag: str) -> float:
+        new = NewRequestData(tag, _prompt(0, n), [], GREEDY, list(range(-(-n // BLOCK) + 1)))
+        start = time.perf_counter()
+        self._run(SchedulerOutput(0, [new], [], {tag: n}, n))
+        elapsed = time.perf_counter() - start
+        self._run(SchedulerOutput(0, finished_req_ids=[tag]))
+        return elapsed
+
+
+class HFBench:
+    """HF transformers eager generate (sdpa attention, dynamic KV cache)."""
+
+    def __init__(self, dtype: str) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            resolve_model("default"), dtype=getattr(torch, dtype)
+        ).eval()
+        self.config = GenerationConfig
+
+    def _generate(self, batch: int, new_tokens: int) -> float:
+        ids = torch.tensor([_prompt(i, PROMPT_LEN) for i in range(batch)])
+        cfg = self.config(
+            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0
+        )
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        return time.perf_counter() - start
+
+    def decode(self, batch: int, steps: int, tag: str) -> float:
+        return self._generate(batch, steps + 1) - self._generate(batch, 1)
+
+    def prefill(self, n: int, tag: str) -> float:
+        ids = torch.tensor([_prompt(0, n)])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model(ids)
+        return time.perf_counter() - start
+
+
+def measure(bench: Any, steps: int, repeats: int, batch: int) -> dict[str, float]:
+    bench.decode(1, 4, "warm")
+    b1 = [bench.decode(1, steps, f"b1-{r}") for r in range(repeats)]
+    bb = [bench.decode(batch, steps, f"bb-{r}") for r in range(repeats)]
+    pf = [bench.prefill(512, f"pf-{r}") for r in range(repeats)]
+    return {
+        "decode_b1_tok_s": steps / statistics.median(b1),
+        f"decode_b{batch}_tok_s": batch * steps / statistics.median(bb),
+        "prefill_512_s": statistics.median(pf),
+        "prefill_512_tok_s": 512 / statistics.median(pf),
+    }
+
+
+def profile_decode(bench: WorkerBench, steps: int) -> str:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        bench.decode(1, steps, "prof")
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--steps", type=int, default=64, help="decode steps per measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print a torch profile of batch-1 decode")
+    p.add_argument("--out", default="bench-results/decode.json")
+    args = p.parse_args()
+    threads = configure_threads(args.num_threads)
+    ours_bench = WorkerBench(args.dtype)
+    results: dict[str, Any] = {
+        "dtype": args.dtype,
+        "threads": threads,
+        "steps": args.steps,
+        "repeats": args.repeats,
+    }
+    results["tessera"] = measure(ours_bench, args.steps, args.repeats, args.batch)
+    if args.profile:
+        print(profile_decode(ours_bench, args.steps))
+    if not args.skip_hf:
+        results["hf_transformers"] = measure(
+            HFBench(args.dtype), args.steps, args.repeats, args.batch
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(_table(results))
+
+
+def _table(results: dict[str, Any]) -> str:
+    rows = [f"{'metric':<22}{'tessera':>12}{'hf':>12}{'ratio':>8}"]
+    for key, ours in results["tessera"].items():
+        hf = results.get("hf_transformers", {}).get(key)
+        ratio = "" if hf is None else f"{(hf / ours if key == 'prefill_512_s' else ours / hf):.2f}x"
+        rows.append(f"{key:<22}{ours:>12.2f}{'' if hf is None else f'{hf:.2f}':>12}{ratio:>8}")
+    return f"dtype={results['dtype']} threads={results['threads']}\n" + "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
