@@ -269,7 +269,7 @@ Run = tuple[list[dict[str, float]], dict[str, float]]  # (steady steps, delivery
 async def run_scenario(num_running: int, steps: int) -> Run:
     """One run: start the three parts, record `steps` steady decode steps, tear down."""
     ctx = mp.get_context("spawn")
-    num_blocks = num_running * (PROMPT_LEN + steps * 2 + 400) // BLOCK_SIZE + 64
+    num_blocks = num_running * (PROMPT_LEN + steps * 4 + 2000) // BLOCK_SIZE + 64
     worker_conn, worker_end = ctx.Pipe()
     worker = ctx.Process(target=worker_process, args=(worker_end, num_blocks), daemon=True)
     worker.start()
@@ -281,7 +281,7 @@ async def run_scenario(num_running: int, steps: int) -> Run:
     await server.start()
     recorder = instrument(server, client)
     client_conn, client_end = ctx.Pipe()
-    args = (client_end, f"127.0.0.1:{server.port}", num_running, steps * 2 + 400)
+    args = (client_end, f"127.0.0.1:{server.port}", num_running, steps * 4 + 2000)
     clients = ctx.Process(target=client_process, args=args, daemon=True)
     clients.start()
     try:
@@ -301,7 +301,7 @@ async def run_scenario(num_running: int, steps: int) -> Run:
 
 
 async def _wait_for_steady_steps(recorder: StepRecorder, num_running: int, steps: int) -> None:
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 300
     while len(_steady(recorder.steps, num_running, {})) < steps:
         if time.monotonic() > deadline:
             raise TimeoutError("the engine did not reach a steady decode state")
