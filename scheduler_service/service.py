@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -20,6 +21,14 @@ from services.pb import engine_pb2, engine_pb2_grpc
 from services.types import EngineCoreOutput, EngineCoreRequest
 
 log = logging.getLogger(__name__)
+
+# The engine thread waits for each worker step with the GIL released. When the
+# reply lands while the event-loop thread is streaming outputs, the engine
+# thread waits for the GIL up to the interpreter's switch interval (5 ms by
+# default), which is longer than a whole step's overhead. EngineCoreServer
+# shortens it for its process; the benchmark (benchmarks.step_overhead_bench)
+# shows the effect.
+ENGINE_SWITCH_INTERVAL_S = 0.0002
 
 
 class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
@@ -127,6 +136,7 @@ class EngineCoreServer:
         engine: EngineCore,
         worker_addresses: Sequence[str] = (),
         probe_interval_s: float = 2.0,
+        switch_interval_s: float | None = ENGINE_SWITCH_INTERVAL_S,
     ) -> None:
         self.servicer = EngineCoreServicer(engine)
         self.servicer.on_health_change = self._schedule_health_refresh
@@ -143,9 +153,13 @@ class EngineCoreServer:
         self.port = self.grpc.port
         self.worker_addresses = list(worker_addresses)
         self.probe_interval_s = probe_interval_s
+        self.switch_interval_s = switch_interval_s  # None: leave the process's setting alone
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
+        """Start the engine thread and the server; sets the process's GIL switch interval."""
+        if self.switch_interval_s is not None:
+            sys.setswitchinterval(self.switch_interval_s)
         self.servicer.start()
         await self.grpc.start()
         await self.refresh_health()
