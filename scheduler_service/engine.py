@@ -11,7 +11,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from scheduler_service.errors import WorkerLostError, WorkerUnavailableError
@@ -132,8 +132,10 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, on_scheduled: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Run one engine step; returns the updates to publish.
+
+        `on_scheduled` runs after schedule(), just before the workers are called.
 
         A step that raises inside a worker errors only that step's requests.
         A worker that cannot be reached fails every request, marks the engine
@@ -141,6 +143,8 @@ class EngineCore:
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if on_scheduled is not None:
+            on_scheduled()
         try:
             runner_output = self._execute(scheduler_output)
         except WorkerUnavailableError as exc:

@@ -4,7 +4,11 @@ Other threads never touch the engine's state: they post commands (add, abort)
 to an inbox guarded by a condition variable, and the engine thread applies them
 between steps. So an abort takes effect before the next step is scheduled and
 its blocks are free within one step. Outputs leave through `publish`, called on
-the engine thread once per step with that step's updates.
+the engine thread at most once per step: a step's updates are held until the
+next step has been scheduled and are published just before its worker call, so
+the event loop streams them while the engine thread waits on the worker (the
+GIL is free then) instead of competing with schedule(). With no next step they
+are published at once.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[EngineCoreRequest | _Abort] = []
         self._stopping = False
+        self._held: list[EngineCoreOutput] = []  # updates not yet published
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error = ""  # why the loop died, if it did
 
@@ -90,18 +95,26 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while (commands := self._wait_for_work()) is not None:
-                outputs = self._apply(commands)
+                self._held += self._apply(commands)
                 if self.engine.has_unfinished_requests():
-                    outputs += self._step()
-                if outputs:
-                    self._publish(outputs)
+                    outputs = self._step()  # may publish (and replace) self._held
+                    self._held += outputs
+                if not self.engine.has_unfinished_requests():
+                    self._flush()  # no next step to piggyback on
         except Exception as exc:
             log.exception("engine loop died")
             self.error = f"{type(exc).__name__}: {exc}"
+            self._flush()
             self._publish(self.engine.scheduler.fail_all(f"engine loop died: {self.error}"))
             self._on_health_change()
         finally:
             self._fail_pending_aborts()
+
+    def _flush(self) -> None:
+        """Publish the held updates, if any (engine thread)."""
+        if self._held:
+            outputs, self._held = self._held, []
+            self._publish(outputs)
 
     def _wait_for_work(self) -> list[EngineCoreRequest | _Abort] | None:
         """Block until a command arrives or requests are unfinished; None when stopping."""
@@ -135,7 +148,7 @@ class EngineLoop:
 
     def _step(self) -> list[EngineCoreOutput]:
         try:
-            return self.engine.step()
+            return self.engine.step(on_scheduled=self._flush)
         except WorkerLostError as exc:
             self._on_health_change()
             return exc.outputs

@@ -103,7 +103,7 @@ def test_a_crashing_loop_fails_requests_and_reports_unhealthy() -> None:
     loop.submit(req("r", [1], 1000))
     time.sleep(0.05)
 
-    def broken() -> list[EngineCoreOutput]:
+    def broken(on_scheduled: object = None) -> list[EngineCoreOutput]:
         raise AssertionError("scheduler bug")
 
     engine.step = broken  # type: ignore[method-assign]
