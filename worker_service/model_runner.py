@@ -18,6 +18,7 @@ import torch
 from services.config import WorkerConfig
 from services.step_types import (
     ModelRunnerOutput,
+    NewRequestData,
     PromptLogprobs,
     SampledTokens,
     SchedulerOutput,
@@ -27,7 +28,7 @@ from services.types import TokenLogprobs
 from worker_service import kv_cache
 from worker_service.attention import get_attention_backend
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
-from worker_service.loader import load_model
+from worker_service.loader import cpu_has_native_bf16, load_model
 from worker_service.models.context import forward_context
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
@@ -45,6 +46,9 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_dir, self.dtype, device, self.backend)
+        if self.dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+            log.info("no bf16 instructions on this CPU: bf16 GEMMs run as float32 GEMMs")
+            self.model.emulate_bf16_matmuls()
         arch = self.model.config
         self.max_model_len = min(
             config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
@@ -80,8 +84,6 @@ class ModelRunner:
         return max(0, int(total * utilization) - peak)
 
     def _dummy_forward(self, tokens: int, blocks: int) -> None:
-        from services.step_types import NewRequestData
-
         batch = InputBatch(1, max(tokens, 1), self.block_size, self.model.config.vocab_size)
         state = batch.add(NewRequestData("profile", [0] * tokens, block_ids=list(range(blocks))))
         step = batch.prepare([state], [tokens], self.device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import torch
 
@@ -35,16 +34,6 @@ def configure_threads(num_threads: int) -> int:
     return count
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 matmul instructions (AVX512-BF16 or AMX); without them
-    torch emulates bf16 GEMMs, several times slower than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True  # unknown: do not warn
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 class Worker:
     """Loads the model at construction; then serves the WorkerProtocol calls one at a time."""
 
@@ -53,11 +42,6 @@ class Worker:
         self.device = select_device(config.model.device)
         if self.device.type == "cpu":
             configure_threads(config.num_threads)
-            if config.model.dtype == "bfloat16" and not cpu_has_native_bf16():
-                log.warning(
-                    "this CPU has no native bf16 matmul (AVX512-BF16/AMX): bf16 runs "
-                    "emulated and slower than --dtype float32"
-                )
         model_dir = resolve_model(config.model.model)
         self.runner = ModelRunner(config, model_dir, self.device)
         arch = self.runner.model.config

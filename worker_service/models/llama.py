@@ -16,7 +16,7 @@ from torch import nn
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig
 from worker_service.models.context import get_attention_metadata
-from worker_service.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -31,8 +31,8 @@ class PagedAttention(nn.Module):
         )
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split = [q_size + kv_size, kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -94,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self.logits_weight: torch.Tensor | None = None  # float32 LM head when bf16 is emulated
 
     @classmethod
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -115,7 +116,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 logits (accumulated in float32 by the matmul)."""
+        if self.logits_weight is not None:
+            return F.linear(hidden.float(), self.logits_weight).to(hidden.dtype).float()
         return F.linear(hidden, self.lm_head.weight).float()
+
+    def emulate_bf16_matmuls(self) -> None:
+        """Run every bf16 GEMM as a float32 GEMM over the same weights (see layers.Linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.emulate_bf16()
+        self.logits_weight = self.lm_head.weight.float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
