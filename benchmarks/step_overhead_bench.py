@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -390,35 +391,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     for n in args.running:
         runs = [asyncio.run(run_scenario(n, args.steps)) for _ in range(args.repeat)]
         results[n] = best_of(runs)
-    compare = _load_compare(args.compare)
+    compare = json.loads(Path(args.compare).read_text())["results"] if args.compare else None
+    report(results, compare, Path(args.out_dir))
+
+
+def report(
+    results: dict[int, dict[str, Any]], compare: dict[str, Any] | None, out_dir: Path
+) -> None:
+    """Print and write step_overhead.json / .md / .png (the plot: the first running count)."""
     text = (
         "Scheduler + gRPC overhead per engine step (everything except the forward), ms; "
         "target < 2 ms median at 32 running\n\n" + table(results, compare)
     )
     for n, res in results.items():
-        text += (
-            f"\n{n} running: {res['delivery']['tokens_per_message']:.2f} tokens per stream message"
-        )
+        text += f"\n{n} running: {res['delivery']['tokens_per_message']:.2f} tokens per message\n"
     print(text)
-    out_dir = Path(args.out_dir)
     data = {"target_median_ms": 2.0, "load_average": os.getloadavg(), "results": results}
+    if compare:
+        data["before"] = compare
     print(f"wrote {write_results('step_overhead', data, text, out_dir)}")
-    first = results[args.running[0]]["parts"]
+    n = next(iter(results))
     bar_plot(
         out_dir / "step_overhead.png",
-        f"Per-step overhead at {args.running[0]} running (median)",
+        f"Per-step overhead at {n} running (median)",
         [p.replace("_", "\n") for p in [*PARTS, "total"]],
-        [first[p]["median_ms"] for p in [*PARTS, "total"]],
+        [results[n]["parts"][p]["median_ms"] for p in [*PARTS, "total"]],
         "ms",
     )
-
-
-def _load_compare(path: str | None) -> dict[str, Any] | None:
-    if not path:
-        return None
-    import json
-
-    return dict(json.loads(Path(path).read_text())["results"])
 
 
 if __name__ == "__main__":
