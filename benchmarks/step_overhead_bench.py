@@ -297,7 +297,11 @@ async def run_scenario(num_running: int, steps: int) -> Run:
         clients.join(10)
         worker.join(10)
     assert tokens > 0, "the clients received no tokens"
-    delivery = {"tokens_received": tokens, "tokens_per_message": tokens / max(messages, 1)}
+    delivery = {
+        "tokens_received": tokens,
+        "tokens_per_message": tokens / max(messages, 1),
+        "load_average_1m": os.getloadavg()[0],  # the machine is shared: read figures with it
+    }
     return _steady(recorder.steps, num_running, worker_times)[:steps], delivery
 
 
