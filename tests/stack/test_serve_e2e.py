@@ -159,7 +159,10 @@ def test_node_client_streams_a_chat(stack: Stack) -> None:
     client_dir = REPO / "examples" / "clients" / "node"
     if not (client_dir / "node_modules" / "@grpc" / "grpc-js").is_dir():
         subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--no-package-lock"], cwd=client_dir, check=True, timeout=300
+            ["npm", "install", "--no-audit", "--no-fund", "--no-package-lock"],
+            cwd=client_dir,
+            check=True,
+            timeout=300,
         )
     done = subprocess.run(
         ["node", "client.js", "--gateway", stack.gateway_grpc_address, "--scheduler", stack.scheduler_address],
