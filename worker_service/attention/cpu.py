@@ -94,8 +94,9 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         n, kv_heads, head_dim = query.shape[0], k_cache.shape[2], k_cache.shape[3]
-        k = k_cache[group.block_table].view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
-        v = v_cache[group.block_table].view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
+        flat = group.block_table.view(-1)  # [n * blocks]
+        k = k_cache.index_select(0, flat).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
+        v = v_cache.index_select(0, flat).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # [n, heads, 1, head_dim]
             k.transpose(1, 2),  # [n, kv_heads, max_seq, head_dim]
@@ -157,7 +158,7 @@ def _decode_group(
     max_seq = max(seq_lens)
     blocks = -(-max_seq // block_size)
     index = torch.tensor(reqs, device=device)
-    table = meta.block_table.index_select(0, index)[:, :blocks].long()
+    table = meta.block_table.index_select(0, index)[:, :blocks].long().contiguous()
     mask = None
     if len(reqs) > 1 and min(seq_lens) != max_seq:
         lens = torch.tensor(seq_lens, device=device)
