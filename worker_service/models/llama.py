@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 logits (accumulated in float32 by the matmul)."""
-        if self.logits_weight is not None:
+        if self.logits_weight is not None and hidden.shape[0] >= Linear.MIN_EMULATED_ROWS:
             return F.linear(hidden.float(), self.logits_weight).to(hidden.dtype).float()
         return F.linear(hidden, self.lm_head.weight).float()
 
