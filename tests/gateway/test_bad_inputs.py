@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,6 +162,9 @@ def test_admission_limit_gives_429(tokenizer: Any) -> None:
                 next(lines)
                 assert_error_shape(send(http, "POST", CHAT, chat(), {}), 429, "too many")
             stack.engine.token_delay_s = 0
+            deadline = time.monotonic() + 5  # the slot frees once the server sees the close
+            while stack.gateway.serving.in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert send(http, "POST", CHAT, chat(max_tokens=2), {}).status_code == 200
     finally:
         stack.stop()
