@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.output import ChoiceDelta
@@ -23,17 +23,8 @@ def new_id(prefix: str) -> str:
 
 
 @dataclass
-class ChoiceResult:
-    """One choice collected from its deltas."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
+class ChoiceResult(ChoiceDelta):
+    """One choice collected from its deltas (the same fields, accumulated)."""
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
