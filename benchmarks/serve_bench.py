@@ -3,6 +3,9 @@
 Sends the "mixed" workload as token-id prompts to /v1/completions (stream,
 include_usage, ignore_eos) with Poisson arrivals at each request rate, and
 reports throughput, TTFT, TPOT, ITL and end-to-end latency, plus goodput.
+Any server that speaks the OpenAI completions API is measured the same way:
+`--api-key` (or $OPENAI_API_KEY) is sent as a bearer token, and a server that
+sends no usage chunk has its output tokens counted as streamed text chunks.
 
     python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --rates inf,1,2
 """
@@ -13,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -35,6 +39,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    usage_reported: bool = False
     error: str = ""
 
     @property
@@ -66,6 +71,8 @@ async def send(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
                 last = _on_line(line, result, start, last)
         result.latency = time.perf_counter() - start
         result.ok = result.output_tokens > 0
+        if not result.usage_reported:
+            result.prompt_tokens = len(req.prompt_token_ids)
     except httpx.HTTPError as exc:
         result.error = repr(exc)
     return result
@@ -79,9 +86,12 @@ def _on_line(line: str, result: RequestResult, start: float, last: float) -> flo
     if chunk.get("usage"):
         result.prompt_tokens = chunk["usage"]["prompt_tokens"]
         result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.usage_reported = True
     if not chunk.get("choices"):
         return last
     now = time.perf_counter()
+    if not result.usage_reported:
+        result.output_tokens += 1  # no usage (yet): one chunk per token, as servers stream
     if result.ttft == 0.0:
         result.ttft = now - start
     else:
@@ -89,15 +99,23 @@ def _on_line(line: str, result: RequestResult, start: float, last: float) -> flo
     return now
 
 
+def _client(api_key: str, connections: int = 16) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits, headers=headers)
+
+
 async def run_rate(
-    base_url: str, model: str, requests: list[BenchRequest], rate: float, seed: int
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    rate: float,
+    seed: int,
+    api_key: str = "",
 ) -> tuple[list[RequestResult], float]:
     """Send `requests` with Poisson arrivals at `rate` req/s (inf: all at once)."""
     rng = random.Random(seed)
-    limits = httpx.Limits(
-        max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8
-    )
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with _client(api_key, len(requests) + 8) as client:
         url = f"{base_url.rstrip('/')}/v1/completions"
         tasks = []
         start = time.perf_counter()
@@ -139,15 +157,15 @@ def _meets(r: RequestResult, slo_ms: dict[str, float]) -> bool:
     return all(measured[k] * 1000 <= v for k, v in slo_ms.items())
 
 
-async def served_model(base_url: str) -> str:
-    async with httpx.AsyncClient(timeout=30) as client:
+async def served_model(base_url: str, api_key: str) -> str:
+    async with _client(api_key) as client:
         reply = await client.get(f"{base_url.rstrip('/')}/v1/models")
         reply.raise_for_status()
         return str(reply.json()["data"][0]["id"])
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    model = args.model or await served_model(args.base_url)
+    model = args.model or await served_model(args.base_url, args.api_key)
     rates = [float(r) for r in args.rates.split(",")]
     counts = [int(n) for n in args.num_prompts.split(",")]
     counts += [counts[-1]] * (len(rates) - len(counts))
@@ -157,13 +175,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         else {}
     )
     if args.warmup:
-        await run_rate(
-            args.base_url, model, mixed_workload(args.warmup, seed=args.seed + 99), math.inf, 0
-        )
+        warmup = mixed_workload(args.warmup, vocab_size=args.vocab_size, seed=args.seed + 99)
+        await run_rate(args.base_url, model, warmup, math.inf, 0, args.api_key)
     runs = []
     for rate, count in zip(rates, counts, strict=True):
         requests = mixed_workload(count, vocab_size=args.vocab_size, seed=args.seed)
-        results, duration = await run_rate(args.base_url, model, requests, rate, args.seed)
+        results, duration = await run_rate(
+            args.base_url, model, requests, rate, args.seed, args.api_key
+        )
         runs.append({"request_rate": rate, "num_prompts": count, **metrics(results, duration, slo)})
         print(f"rate {rate}: {runs[-1]['output_throughput']:.1f} output tok/s, "
               f"TTFT p50 {runs[-1]['ttft_ms']['median']:.1f} ms, TPOT p50 {runs[-1]['tpot_ms']['median']:.1f} ms",
@@ -208,6 +227,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY", ""), help="bearer token to send"
+    )
     p.add_argument("--rates", default="inf,1,2", help="comma-separated request rates (inf allowed)")
     p.add_argument("--num-prompts", default="64,32,48", help="prompts per rate (last one repeats)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring")

@@ -48,6 +48,10 @@ class ModelConfig:
     served_model_name: str = ""
     # Weight and activation dtype; bfloat16 is the fast default, float32 the exact one.
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    # How bf16 GEMMs run on CPU: "native" bf16 kernels (HF's, bit for bit), "float32"
+    # GEMMs over upcast weights (same values, several times faster where the CPU lacks
+    # bf16 instructions), or "auto": native when the CPU has AVX512-BF16/AMX, else float32.
+    bf16_gemm: Literal["auto", "native", "float32"] = "auto"
     # Longest prompt + output; 0 means the model's own max_position_embeddings.
     max_model_len: int = 0
     # "auto" picks cuda when available, else cpu.
@@ -58,6 +62,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must name a directory or 'default'")
         _require(self.dtype in ("bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
+        _require(
+            self.bf16_gemm in ("auto", "native", "float32"),
+            f"bf16_gemm must be auto, native or float32, not {self.bf16_gemm!r}",
+        )
         _require(self.max_model_len >= 0, "max_model_len must be >= 0 (0: the model's own)")
         _require(
             self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,

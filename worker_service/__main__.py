@@ -23,6 +23,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", default="", help="name reported in ModelInfo")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument(
+        "--bf16-gemm",
+        default="auto",
+        choices=["auto", "native", "float32"],
+        help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
@@ -52,6 +58,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             model=args.model,
             served_model_name=args.served_model_name,
             dtype=args.dtype,
+            bf16_gemm=args.bf16_gemm,
             max_model_len=args.max_model_len,
             device=args.device,
             seed=args.seed,

@@ -2,8 +2,6 @@
 
 HF checkpoints store q/k/v and gate/up projections separately; the models fuse
 them, so each checkpoint tensor is copied into a row range of a fused weight.
-q/k rows (and Qwen3's q/k norm weights) are permuted per head into the
-interleaved rotary layout (see `layers.interleave_permutation`).
 """
 
 from __future__ import annotations
@@ -16,19 +14,18 @@ from safetensors import safe_open
 
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
-from worker_service.models.layers import interleave_permutation
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.registry import model_class
 
 log = logging.getLogger(__name__)
 
-# HF projection name -> (fused parameter, shard index, rotary permutation needed)
+# HF projection name -> (fused parameter, shard index)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0, True),
-    "k_proj": ("qkv_proj", 1, True),
-    "v_proj": ("qkv_proj", 2, False),
-    "gate_proj": ("gate_up_proj", 0, False),
-    "up_proj": ("gate_up_proj", 1, False),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -79,14 +76,11 @@ def _load_tensor(
     params = dict(model.named_parameters())
     parts = name.split(".")
     if len(parts) >= 3 and parts[-2] in _FUSED:
-        fused, shard, permute = _FUSED[parts[-2]]
+        fused, shard = _FUSED[parts[-2]]
         target = ".".join([*parts[:-2], fused, parts[-1]])
         rows = _shard_rows(cfg, fused, shard)
-        value = _permute_heads(tensor, cfg.head_dim) if permute else tensor
-        params[target].data[rows[0] : rows[1]].copy_(value)
+        params[target].data[rows[0] : rows[1]].copy_(tensor)
         return {f"{target}#{shard}"}
-    if parts[-2:] in (["q_norm", "weight"], ["k_norm", "weight"]):
-        tensor = tensor[interleave_permutation(cfg.head_dim)]
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
     if params[name].shape != tensor.shape:
@@ -103,13 +97,6 @@ def _shard_rows(cfg: ModelArchConfig, fused: str, shard: int) -> tuple[int, int]
         return shard * cfg.intermediate_size, (shard + 1) * cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-
-
-def _permute_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of a q/k projection (or bias) reordered per head into the interleaved layout."""
-    perm = interleave_permutation(head_dim)
-    shaped = weight.reshape(-1, head_dim, *weight.shape[1:])
-    return shaped[:, perm].reshape(weight.shape)
 
 
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:

@@ -46,8 +46,8 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_dir, self.dtype, device, self.backend)
-        if self.dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
-            log.info("no bf16 instructions on this CPU: bf16 GEMMs run as float32 GEMMs")
+        if self.dtype == torch.bfloat16 and device.type == "cpu" and _float32_gemms(config):
+            log.info("bf16 GEMMs run as float32 GEMMs over upcast weights")
             self.model.emulate_bf16_matmuls()
         arch = self.model.config
         self.max_model_len = min(
@@ -210,3 +210,9 @@ class ModelRunner:
                 strict=True,
             )
         ]
+
+
+def _float32_gemms(config: WorkerConfig) -> bool:
+    """Whether bf16 GEMMs run as float32 ones (`ModelConfig.bf16_gemm`, "auto" by CPU flags)."""
+    choice = config.model.bf16_gemm
+    return choice == "float32" or (choice == "auto" and not cpu_has_native_bf16())

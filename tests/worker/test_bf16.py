@@ -1,11 +1,13 @@
 """Acceptance 4: in bfloat16 (the default) the greedy chat answer names Paris, and the first 16
 greedy tokens match HF transformers in bfloat16.
 
-bf16 greedy decoding is chaotic: HF's own `eager` and `sdpa` attention disagree on
-the logits of the default model about as much as we do with HF (mean |diff| ~0.14
-over a 600-token prompt), and HF-eager matches HF-sdpa on only ~5 of the 8 prompts. So
-the check is: we agree with HF-sdpa on at least as many prompts as HF-eager does, less
-one for that noise (and on at least 6 of 8 whenever HF-eager gets 7).
+bf16 greedy decoding is chaotic: one bf16 rounding that differs flips later tokens.
+With `bf16_gemm="native"` the worker runs the same bf16 GEMM kernels as HF on this
+CPU and keeps HF's operation order everywhere else (norms in float32, RoPE in HF's
+half-split layout, SDPA), so it must match HF on at least 7 of the 8 prompts. That
+is also what "auto" picks on CPUs with bf16 instructions. Where the CPU lacks them,
+"auto" runs bf16 GEMMs as float32 GEMMs (same products, another summation order):
+that default path must still answer Paris.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ def bf16_worker() -> Iterator[Worker]:
     worker.shutdown()
 
 
+@pytest.fixture(scope="module")
+def native_bf16_worker() -> Iterator[Worker]:
+    worker = Worker(WorkerConfig(model=ModelConfig(dtype="bfloat16", bf16_gemm="native")))
+    yield worker
+    worker.shutdown()
+
+
 def _greedy(worker: Worker, prompts: list[list[int]], n: int, tag: str) -> list[list[int]]:
     sched = MiniScheduler(worker, 400, 16, 4096, n)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -45,17 +54,13 @@ def test_bf16_answers_paris(bf16_worker: Worker, tokenizer, eight_prompts: list[
 
 
 def test_bf16_first_16_tokens_match_hf_bf16(
-    bf16_worker: Worker, default_model_dir, eight_prompts: list[list[int]]
+    native_bf16_worker: Worker, default_model_dir, eight_prompts: list[list[int]]
 ) -> None:
     # One request at a time, like the reference: bf16 GEMM rounding depends on the batch shape.
-    ours = [_greedy(bf16_worker, [p], 16, f"bf16-{i}")[0] for i, p in enumerate(eight_prompts)]
+    ours = [
+        _greedy(native_bf16_worker, [p], 16, f"bf16-{i}")[0] for i, p in enumerate(eight_prompts)
+    ]
     reference = hf_greedy(default_model_dir, eight_prompts, 16, "bfloat16")
-    hf_eager = hf_greedy(default_model_dir, eight_prompts, 16, "bfloat16", "eager")
     matches = [a == b for a, b in zip(ours, reference, strict=True)]
-    eager_matches = [a == b for a, b in zip(hf_eager, reference, strict=True)]
-    print(
-        f"bf16 first-16 agreement with HF sdpa: ours {sum(matches)}/8, HF eager {sum(eager_matches)}/8"
-    )
-    assert sum(matches) >= min(7, sum(eager_matches)) - 1, (
-        f"ours {matches}, HF eager {eager_matches}"
-    )
+    print(f"bf16 first-16 agreement with HF: {sum(matches)}/8")
+    assert sum(matches) >= 7, f"per prompt: {matches}"

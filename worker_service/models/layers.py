@@ -84,22 +84,13 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def interleave_permutation(head_dim: int) -> torch.Tensor:
-    """[head_dim] index: HF's half-split rotary layout -> interleaved pairs.
-
-    HF rotates dim i with dim i + head_dim/2; permuting q/k projection rows by this
-    index makes the pairs adjacent (2i, 2i+1), so RoPE is one complex multiply.
-    q.k dot products are unchanged because q and k get the same permutation.
-    """
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotary embedding on interleaved q/k (see `interleave_permutation`).
+    """Rotary embedding in HF's half-split layout: dim i rotates with dim i + head_dim/2.
 
-    cos/sin are computed in float32 and cast to the activation dtype, and the rotation
-    is done in that dtype with HF's order of roundings (x*cos + rotate(x)*sin).
+    Keeping HF's layout (rather than interleaving pairs) keeps the element order of
+    every q.k dot product, so bf16 attention rounds exactly as HF's does. cos/sin are
+    computed in float32 and cast to the activation dtype; the rotation is done in that
+    dtype with HF's order of roundings (x*cos + rotate_half(x)*sin).
     """
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
@@ -122,12 +113,10 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [num_tokens, heads, head_dim] (interleaved pairs) -> rotated, same shape and dtype."""
+        """x [num_tokens, heads, head_dim] -> rotated, same shape and dtype."""
         cos, sin = cos_sin
-        n, heads, dim = x.shape
-        pairs = x.reshape(n, heads, dim // 2, 2)
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).view(n, heads, dim)
+        x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, heads, head_dim // 2] each
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class GatedMLP(nn.Module):
