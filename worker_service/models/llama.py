@@ -16,7 +16,14 @@ from torch import nn
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig
 from worker_service.models.context import get_attention_metadata
-from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from worker_service.models.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    linear_float32,
+    pack_float32,
+)
 
 
 class PagedAttention(nn.Module):
@@ -117,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 logits (accumulated in float32 by the matmul)."""
         if self.logits_weight is not None and hidden.shape[0] >= Linear.MIN_EMULATED_ROWS:
-            return F.linear(hidden.float(), self.logits_weight).to(hidden.dtype).float()
+            return linear_float32(hidden, self.logits_weight).to(hidden.dtype).float()
         return F.linear(hidden, self.lm_head.weight).float()
 
     def emulate_bf16_matmuls(self) -> None:
@@ -125,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.emulate_bf16()
-        self.logits_weight = self.lm_head.weight.float()
+        self.logits_weight = pack_float32(self.lm_head.weight)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
