@@ -1,18 +1,17 @@
 """Worker decode/prefill throughput vs HF transformers, same machine, same run.
 
-    python -m benchmarks.decode_bench [--dtype bfloat16] [--steps 64] [--repeats 3] [--profile]
+    python -m benchmarks.decode_bench [--dtype bfloat16] [--steps 32] [--repeats 3] [--profile]
 
 Measures (medians over repeats): batch-1 decode tokens/s, batch-32 decode tokens/s and a
 512-token prefill, for the in-process Worker (no gRPC) and for HF transformers (eager
-generate with a KV cache; a static batch of 32 equal-length prompts). Decode time excludes
-the prefill: HF's is t(generate 1 + N tokens) - t(generate 1 token). Writes
-bench-results/decode.json and prints a table.
+generate with a KV cache; a static batch of 32 equal-length prompts), both in `--dtype`.
+Decode time excludes the prefill: HF's is t(generate 1 + N tokens) - t(generate 1 token).
+Writes bench-results/decode.json, .md and .png and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from benchmarks.report import RESULTS_DIR, bar_plot, markdown_table, write_results
 from services.config import ModelConfig, WorkerConfig
 from services.default_model import resolve_model
 from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
@@ -133,17 +133,17 @@ def profile_decode(bench: WorkerBench, steps: int) -> str:
     return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--steps", type=int, default=64, help="decode steps per measurement")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="print a torch profile of batch-1 decode")
-    p.add_argument("--out", default="bench-results/decode.json")
-    args = p.parse_args()
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
     threads = configure_threads(args.num_threads)
     ours_bench = WorkerBench(args.dtype)
     results: dict[str, Any] = {
@@ -151,26 +151,44 @@ def main() -> None:
         "threads": threads,
         "steps": args.steps,
         "repeats": args.repeats,
+        "tessera": measure(ours_bench, args.steps, args.repeats, args.batch),
     }
-    results["tessera"] = measure(ours_bench, args.steps, args.repeats, args.batch)
     if args.profile:
         print(profile_decode(ours_bench, args.steps))
+    del ours_bench
     if not args.skip_hf:
         results["hf_transformers"] = measure(
             HFBench(args.dtype), args.steps, args.repeats, args.batch
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(_table(results))
+    text = table(results)
+    write_results("decode", results, text, args.out_dir)
+    bar_plot(
+        args.out_dir / "decode.png",
+        f"Decode tokens/s ({args.dtype}, {threads} threads)",
+        [f"{engine} b{b}" for b in (1, args.batch) for engine in ("tessera", "hf")],
+        [
+            results.get(engine, {}).get(f"decode_b{b}_tok_s", 0.0)
+            for b in (1, args.batch)
+            for engine in ("tessera", "hf_transformers")
+        ],
+        "tokens/s",
+    )
+    print(text)
+    return results
 
 
-def _table(results: dict[str, Any]) -> str:
-    rows = [f"{'metric':<22}{'tessera':>12}{'hf':>12}{'ratio':>8}"]
+def table(results: dict[str, Any]) -> str:
+    """Markdown: each metric for Tessera and HF with the ratio (higher is better for Tessera)."""
+    rows = []
     for key, ours in results["tessera"].items():
         hf = results.get("hf_transformers", {}).get(key)
-        ratio = "" if hf is None else f"{(hf / ours if key == 'prefill_512_s' else ours / hf):.2f}x"
-        rows.append(f"{key:<22}{ours:>12.2f}{'' if hf is None else f'{hf:.2f}':>12}{ratio:>8}")
-    return f"dtype={results['dtype']} threads={results['threads']}\n" + "\n".join(rows)
+        ratio = None if hf is None else (hf / ours if key == "prefill_512_s" else ours / hf)
+        rows.append({"metric": key, "tessera": ours, "hf": hf or "", "tessera / hf": ratio or ""})
+    title = (
+        f"### Decode and prefill ({results['dtype']}, {results['threads']} threads, "
+        f"medians of {results['repeats']})\n\n"
+    )
+    return title + markdown_table(rows, ["metric", "tessera", "hf", "tessera / hf"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`make bench` / `tessera bench all`: every benchmark in one run, then the README table.
 
 Runs the decode micro-benchmark, offline throughput (with HF in the same run),
-scheduler overhead, and online serving against a `tessera serve` it starts itself.
+the per-step scheduler + gRPC overhead, scheduler CPU time, and online serving against a `tessera serve` it starts itself.
 Results land in bench-results/ (JSON, Markdown, PNG); the README's table between
 the bench markers is replaced with the combined Markdown.
 """
@@ -21,7 +21,7 @@ from services.healthcheck import http_healthy
 
 README = Path("README.md")
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SECTIONS = ["decode", "offline", "serve", "scheduler"]
+SECTIONS = ["decode", "offline", "serve", "step_overhead", "scheduler"]
 
 
 def run_module(name: str, argv: list[str]) -> None:
@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         run_module("decode_bench", [])
     if "offline" not in args.skip:
         run_module("offline_bench", [])
+    if "step_overhead" not in args.skip:
+        run_module("step_overhead_bench", [])
     if "scheduler" not in args.skip:
         run_module("scheduler_bench", [])
     if "serve" not in args.skip:
