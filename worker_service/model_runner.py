@@ -46,9 +46,12 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_dir, self.dtype, device, self.backend)
-        if self.dtype == torch.bfloat16 and device.type == "cpu" and _float32_gemms(config):
-            log.info("bf16 GEMMs run as float32 GEMMs over upcast weights")
-            self.model.emulate_bf16_matmuls()
+        if self.dtype == torch.bfloat16 and device.type == "cpu":
+            if _float32_gemms(config):
+                log.info("bf16 GEMMs run as float32 GEMMs over upcast weights")
+                self.model.emulate_bf16_matmuls()
+            else:
+                self.backend.match_hf_kernels()
         arch = self.model.config
         self.max_model_len = min(
             config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings

@@ -44,6 +44,11 @@ class AttentionBackend(abc.ABC):
 
     name: str = "base"
 
+    def match_hf_kernels(self) -> None:
+        """Call the kernels exactly as HF does, where a faster call would round differently
+        (bit-exact bf16 runs); backends with nothing to change keep this no-op."""
+        return None
+
     @abc.abstractmethod
     def write_kv(
         self,

@@ -1,0 +1,34 @@
+"""The CPU attention backend against dense causal attention on unpaged tensors, with the
+decode heads folded per KV head (the default) and with HF's own call (`match_hf_kernels`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker.test_attention_reference import BATCHES, build_case, dense_attention, tolerance
+from worker_service.attention.cpu import CpuAttentionBackend
+
+# Unused pool slots hold this instead of NaN: a read outside a request's KV would show, and a
+# masked one must weigh nothing (a NaN there would poison even a zero-weighted sum).
+FAR = 1e4
+
+
+@pytest.mark.parametrize("fold_gqa", [True, False], ids=["folded", "hf-call"])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_backend_matches_dense(
+    fold_gqa: bool, batch: str, num_kv_heads: int, group: int, block_size: int, dtype: torch.dtype
+) -> None:
+    case = build_case(BATCHES[batch], num_kv_heads * group, num_kv_heads, 64, block_size, dtype)
+    case.k_cache.nan_to_num_(FAR)
+    case.v_cache.nan_to_num_(FAR)
+    backend = CpuAttentionBackend()
+    if not fold_gqa:
+        backend.match_hf_kernels()
+    backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert out.shape == case.query.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), dense_attention(case), atol=tolerance(dtype), rtol=0)
