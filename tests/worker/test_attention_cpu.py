@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from tests.worker.test_attention_reference import BATCHES, build_case, dense_attention, tolerance
-from worker_service.attention.cpu import CpuAttentionBackend
+from worker_service.attention.cpu import DECODE_GROUP, CpuAttentionBackend
+
+# Enough decode requests of scattered lengths to be split into length groups, plus prefills.
+MANY_DECODES = [((7 * i) % 53 + 1, 1) for i in range(2 * DECODE_GROUP + 5)] + [(9, 4), (0, 6)]
 
 # Unused pool slots hold this instead of NaN: a read outside a request's KV would show, and a
 # masked one must weigh nothing (a NaN there would poison even a zero-weighted sum).
@@ -15,14 +18,15 @@ FAR = 1e4
 
 
 @pytest.mark.parametrize("fold_gqa", [True, False], ids=["folded", "hf-call"])
-@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("batch", [*sorted(BATCHES), "many_decodes"])
 @pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cpu_backend_matches_dense(
     fold_gqa: bool, batch: str, num_kv_heads: int, group: int, block_size: int, dtype: torch.dtype
 ) -> None:
-    case = build_case(BATCHES[batch], num_kv_heads * group, num_kv_heads, 64, block_size, dtype)
+    requests = MANY_DECODES if batch == "many_decodes" else BATCHES[batch]
+    case = build_case(requests, num_kv_heads * group, num_kv_heads, 64, block_size, dtype)
     case.k_cache.nan_to_num_(FAR)
     case.v_cache.nan_to_num_(FAR)
     backend = CpuAttentionBackend()

@@ -1,9 +1,11 @@
 """The CPU attention backend: batched SDPA over K/V gathered from the paged pool.
 
 Plan per step (built once, shared by all layers):
-- decode requests (one new token each) are attended in ONE SDPA call: their
-  blocks are gathered into a padded [num_decode, kv_heads, max_seq, head_dim]
-  batch with a key-padding mask (no mask at all for a single request);
+- decode requests (one new token each) are sorted by length and cut into a few
+  groups (at least DECODE_GROUP requests each), each attended in ONE SDPA call:
+  its blocks are gathered into a padded [group, kv_heads, max_seq, head_dim]
+  batch with a key-padding mask (no mask when the lengths are equal). Grouping
+  by length keeps the padding, which costs gather and attention time, small;
 - every other request (a prefill chunk, possibly after a cached prefix) is one
   SDPA call with a causal mask offset by its cached length (`is_causal` when
   there is no prefix).
@@ -40,8 +42,12 @@ class _Prefill:
 
 @dataclass
 class _Plan:
-    decode: _DecodeGroup | None
+    decode: list[_DecodeGroup]
     prefills: list[_Prefill]
+
+
+# Decode requests per length group: fewer means less padding but more kernel calls.
+DECODE_GROUP = 8
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -51,7 +57,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._plan_for: AttentionMetadata | None = None
-        self._plan = _Plan(None, [])
+        self._plan = _Plan([], [])
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
 
     def match_hf_kernels(self) -> None:
@@ -79,13 +85,11 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         plan = self._get_plan(meta, k_cache.shape[1])
-        if plan.decode is not None and plan.decode.contiguous and not plan.prefills:
-            return self._decode(query, k_cache, v_cache, plan.decode, scale)
+        if len(plan.decode) == 1 and plan.decode[0].contiguous and not plan.prefills:
+            return self._decode(query, k_cache, v_cache, plan.decode[0], scale)
         out = torch.empty_like(query)
-        if plan.decode is not None:
-            out[plan.decode.rows] = self._decode(
-                query[plan.decode.rows], k_cache, v_cache, plan.decode, scale
-            )
+        for group in plan.decode:
+            out[group.rows] = self._decode(query[group.rows], k_cache, v_cache, group, scale)
         for p in plan.prefills:
             out[p.start : p.end] = self._prefill(query[p.start : p.end], k_cache, v_cache, p, scale)
         return out
@@ -154,22 +158,26 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 def build_plan(meta: AttentionMetadata, block_size: int) -> _Plan:
-    """Group a step's requests into one batched decode call and per-request prefill calls."""
+    """Group a step's requests into batched decode calls and per-request prefill calls."""
     starts = meta.query_start_loc.tolist()
     decode_reqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+    if len(decode_reqs) > DECODE_GROUP:
+        decode_reqs.sort(key=meta.seq_lens_cpu.__getitem__)
+    cuts = range(0, len(decode_reqs), DECODE_GROUP)
+    groups = [decode_reqs[c : c + DECODE_GROUP] for c in cuts]
+    if len(groups) > 1 and len(groups[-1]) < DECODE_GROUP // 2:  # no tiny last group
+        groups[-2:] = [groups[-2] + groups[-1]]
     prefills = [
         _prefill_item(meta, i, starts[i], block_size)
         for i, q in enumerate(meta.query_lens_cpu)
         if q > 1
     ]
-    return _Plan(_decode_group(meta, decode_reqs, starts, block_size), prefills)
+    return _Plan([_decode_group(meta, g, starts, block_size) for g in groups], prefills)
 
 
 def _decode_group(
     meta: AttentionMetadata, reqs: list[int], starts: list[int], block_size: int
-) -> _DecodeGroup | None:
-    if not reqs:
-        return None
+) -> _DecodeGroup:
     device = meta.block_table.device
     seq_lens = [meta.seq_lens_cpu[i] for i in reqs]
     max_seq = max(seq_lens)
