@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if "offline" not in args.skip:
         run_module("offline_bench", [])
     if "step_overhead" not in args.skip:
-        run_module("step_overhead_bench", [])
+        run_module("step_overhead_bench", ["--repeat", "2"])
     if "scheduler" not in args.skip:
         run_module("scheduler_bench", [])
     if "serve" not in args.skip:

@@ -232,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rates", default="inf,1,2", help="comma-separated request rates (inf allowed)")
     p.add_argument("--num-prompts", default="64,32,48", help="prompts per rate (last one repeats)")
-    p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests before measuring")
     p.add_argument(
         "--goodput", nargs="*", default=["ttft:500", "tpot:50"], help="SLOs as metric:ms"
     )
