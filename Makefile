@@ -50,7 +50,8 @@ lint: install
 clean:
 	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)
 
-# All benchmarks (about 15 minutes): JSON, Markdown and PNG under bench-results/, table in README.
+# All benchmarks: JSON, Markdown and PNG under bench-results/, table in README. About 20 minutes
+# on a 2-core AVX2 machine, 11 of them in the HF baselines (HF static batching alone: ~7.5).
 bench: install
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
 
