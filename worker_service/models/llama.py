@@ -10,20 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig
 from worker_service.models.context import get_attention_metadata
-from worker_service.models.layers import (
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    linear_float32,
-    pack_float32,
-)
+from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -98,12 +90,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.lm_head = (
-            self.embed_tokens
-            if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
-        self.logits_weight: torch.Tensor | None = None  # float32 LM head when bf16 is emulated
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one Parameter, as HF ties them
 
     @classmethod
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -123,16 +112,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 logits (accumulated in float32 by the matmul)."""
-        if self.logits_weight is not None and hidden.shape[0] >= Linear.MIN_EMULATED_ROWS:
-            return linear_float32(hidden, self.logits_weight).to(hidden.dtype).float()
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     def emulate_bf16_matmuls(self) -> None:
         """Run every bf16 GEMM as a float32 GEMM over the same weights (see layers.Linear)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.emulate_bf16()
-        self.logits_weight = pack_float32(self.lm_head.weight)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
