@@ -46,14 +46,16 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
         req = from_proto(request, EngineCoreRequest)
         self.requests.append(req)
         self.started[req.request_id] = time.monotonic()
+        finished = False
         try:
             for out in self._outputs(req):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                finished = out.finished
                 yield to_proto(out, engine_pb2.EngineCoreOutput)
-        except asyncio.CancelledError:
-            self.cancelled_at[req.request_id] = time.monotonic()
-            raise
+        finally:
+            if not finished:  # cancelled mid-await (CancelledError) or mid-yield (GeneratorExit)
+                self.cancelled_at[req.request_id] = time.monotonic()
 
     def _outputs(self, req: EngineCoreRequest) -> Any:
         params = req.sampling_params
