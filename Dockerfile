@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make \
+    && apt-get install -y --no-install-recommends make g++ \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

@@ -30,9 +30,14 @@ SERVED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "TESSERA_CACHE_DIR"
 
 
+def cache_root() -> Path:
+    """Tessera's cache: $TESSERA_CACHE_DIR, else the user's cache dir."""
+    return Path(os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("tessera"))
+
+
 def cache_dir() -> Path:
-    """Where converted models live: $TESSERA_CACHE_DIR, else the user's cache dir."""
-    return Path(os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("tessera")) / "models"
+    """Where converted models live."""
+    return cache_root() / "models"
 
 
 def gguf_path() -> Path:

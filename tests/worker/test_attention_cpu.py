@@ -1,5 +1,6 @@
-"""The CPU attention backend against dense causal attention on unpaged tensors, with the
-decode heads folded per KV head (the default) and with HF's own call (`match_hf_kernels`)."""
+"""The CPU attention backend against dense causal attention on unpaged tensors: decode by
+the C++ paged kernel (the default), by SDPA with the heads folded per KV head, and by HF's
+own call (`match_hf_kernels`)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,45 @@ MANY_DECODES = [((7 * i) % 53 + 1, 1) for i in range(2 * DECODE_GROUP + 5)] + [(
 FAR = 1e4
 
 
-@pytest.mark.parametrize("fold_gqa", [True, False], ids=["folded", "hf-call"])
+def make_backend(mode: str) -> CpuAttentionBackend:
+    backend = CpuAttentionBackend(decode_kernel=mode == "kernel")
+    if mode == "hf-call":
+        backend.match_hf_kernels()
+    assert backend.decode_kernel == (mode == "kernel")  # the kernel built: no silent fallback
+    return backend
+
+
+@pytest.mark.parametrize("mode", ["kernel", "sdpa-folded", "hf-call"])
 @pytest.mark.parametrize("batch", [*sorted(BATCHES), "many_decodes"])
 @pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cpu_backend_matches_dense(
-    fold_gqa: bool, batch: str, num_kv_heads: int, group: int, block_size: int, dtype: torch.dtype
+    mode: str, batch: str, num_kv_heads: int, group: int, block_size: int, dtype: torch.dtype
+) -> None:
+    check(mode, batch, num_kv_heads, group, 64, block_size, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [40, 128])  # the kernel's generic and other unrolled size
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_kernel_head_sizes(head_dim: int, dtype: torch.dtype) -> None:
+    check("kernel", "many_decodes", 2, 3, head_dim, 16, dtype)
+
+
+def check(
+    mode: str,
+    batch: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
 ) -> None:
     requests = MANY_DECODES if batch == "many_decodes" else BATCHES[batch]
-    case = build_case(requests, num_kv_heads * group, num_kv_heads, 64, block_size, dtype)
+    case = build_case(requests, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype)
     case.k_cache.nan_to_num_(FAR)
     case.v_cache.nan_to_num_(FAR)
-    backend = CpuAttentionBackend()
-    if not fold_gqa:
-        backend.match_hf_kernels()
+    backend = make_backend(mode)
     backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
     assert out.shape == case.query.shape and out.dtype == dtype

@@ -1,11 +1,13 @@
-"""The CPU attention backend: batched SDPA over K/V gathered from the paged pool.
+"""The CPU attention backend: a paged decode kernel, and batched SDPA over gathered K/V.
 
 Plan per step (built once, shared by all layers):
-- decode requests (one new token each) are sorted by length and cut into a few
-  groups (at least DECODE_GROUP requests each), each attended in ONE SDPA call:
-  its blocks are gathered into a padded [group, kv_heads, max_seq, head_dim]
-  batch with a key-padding mask (no mask when the lengths are equal). Grouping
-  by length keeps the padding, which costs gather and attention time, small;
+- decode requests (one new token each) all go to one call of the C++ paged
+  decode kernel (`cpu_kernel`), which reads K/V straight from the pool. Where it
+  cannot be built, or where HF's exact kernels are asked for, they are sorted by
+  length and cut into a few groups (at least DECODE_GROUP requests each), each
+  attended in ONE SDPA call: its blocks are gathered into a padded
+  [group, kv_heads, max_seq, head_dim] batch with a key-padding mask (no mask
+  when the lengths are equal). Grouping by length keeps the padding small;
 - every other request (a prefill chunk, possibly after a cached prefix) is one
   SDPA call with a causal mask offset by its cached length (`is_causal` when
   there is no prefix).
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker_service.attention import cpu_kernel
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -41,8 +44,15 @@ class _Prefill:
 
 
 @dataclass
+class _KernelDecode:
+    reqs: torch.Tensor  # [num_decode] int64 request indices (rows of block_table, seq_lens)
+    rows: torch.Tensor  # [num_decode] int64 their token rows
+
+
+@dataclass
 class _Plan:
-    decode: list[_DecodeGroup]
+    decode: list[_DecodeGroup]  # SDPA decode calls (without the kernel)
+    kernel_decode: _KernelDecode | None  # every decode request in one kernel call
     prefills: list[_Prefill]
 
 
@@ -55,10 +65,17 @@ class CpuAttentionBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_kernel: bool = True) -> None:
+        """decode_kernel: use the C++ paged decode kernel when it builds (else SDPA groups)."""
         self._plan_for: AttentionMetadata | None = None
-        self._plan = _Plan([], [])
+        self._plan = _Plan([], None, [])
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
+        self._kernel = cpu_kernel.load() if decode_kernel else None
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether decode requests run the C++ paged kernel (float32 / bf16 inputs)."""
+        return self._kernel is not None and self.fold_gqa
 
     def match_hf_kernels(self) -> None:
         """HF's decode call (enable_gqa, one query row): folding rounds bf16 differently."""
@@ -84,10 +101,18 @@ class CpuAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan = self._get_plan(meta, k_cache.shape[1])
+        use_kernel = self.decode_kernel and query.dtype in cpu_kernel.DTYPES
+        plan = self._get_plan(meta, k_cache.shape[1], use_kernel)
         if len(plan.decode) == 1 and plan.decode[0].contiguous and not plan.prefills:
             return self._decode(query, k_cache, v_cache, plan.decode[0], scale)
         out = torch.empty_like(query)
+        if plan.kernel_decode is not None:
+            assert self._kernel is not None
+            kd = plan.kernel_decode
+            cpu_kernel.paged_decode(
+                self._kernel, query.contiguous(), k_cache, v_cache, out,
+                meta.block_table, meta.seq_lens, kd.reqs, kd.rows, scale,
+            )  # fmt: skip
         for group in plan.decode:
             out[group.rows] = self._decode(query[group.rows], k_cache, v_cache, group, scale)
         for p in plan.prefills:
@@ -150,29 +175,41 @@ class CpuAttentionBackend(AttentionBackend):
         )
         return out[0].transpose(0, 1)  # [query_len, heads, head_dim]
 
-    def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
+    def _get_plan(self, meta: AttentionMetadata, block_size: int, use_kernel: bool) -> _Plan:
         if meta is not self._plan_for:
-            self._plan = build_plan(meta, block_size)
+            self._plan = build_plan(meta, block_size, use_kernel)
             self._plan_for = meta
         return self._plan
 
 
-def build_plan(meta: AttentionMetadata, block_size: int) -> _Plan:
-    """Group a step's requests into batched decode calls and per-request prefill calls."""
+def build_plan(meta: AttentionMetadata, block_size: int, use_kernel: bool = False) -> _Plan:
+    """Split a step's requests into decode calls (one kernel call, or SDPA length groups)
+    and per-request prefill calls."""
     starts = meta.query_start_loc.tolist()
     decode_reqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-    if len(decode_reqs) > DECODE_GROUP:
-        decode_reqs.sort(key=meta.seq_lens_cpu.__getitem__)
-    cuts = range(0, len(decode_reqs), DECODE_GROUP)
-    groups = [decode_reqs[c : c + DECODE_GROUP] for c in cuts]
-    if len(groups) > 1 and len(groups[-1]) < DECODE_GROUP // 2:  # no tiny last group
-        groups[-2:] = [groups[-2] + groups[-1]]
     prefills = [
         _prefill_item(meta, i, starts[i], block_size)
         for i, q in enumerate(meta.query_lens_cpu)
         if q > 1
     ]
-    return _Plan([_decode_group(meta, g, starts, block_size) for g in groups], prefills)
+    if use_kernel:
+        device = meta.block_table.device
+        rows = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64, device=device)
+        reqs = torch.tensor(decode_reqs, dtype=torch.int64, device=device)
+        return _Plan([], _KernelDecode(reqs, rows) if decode_reqs else None, prefills)
+    groups = _length_groups(decode_reqs, meta.seq_lens_cpu)
+    return _Plan([_decode_group(meta, g, starts, block_size) for g in groups], None, prefills)
+
+
+def _length_groups(decode_reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Requests sorted by length, cut into groups of DECODE_GROUP (no tiny last group)."""
+    if len(decode_reqs) > DECODE_GROUP:
+        decode_reqs = sorted(decode_reqs, key=seq_lens.__getitem__)
+    cuts = range(0, len(decode_reqs), DECODE_GROUP)
+    groups = [decode_reqs[c : c + DECODE_GROUP] for c in cuts]
+    if len(groups) > 1 and len(groups[-1]) < DECODE_GROUP // 2:
+        groups[-2:] = [groups[-2] + groups[-1]]
+    return groups
 
 
 def _decode_group(
