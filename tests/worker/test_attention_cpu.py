@@ -4,10 +4,13 @@ own call (`match_hf_kernels`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.worker.test_attention_reference import BATCHES, build_case, dense_attention, tolerance
+from worker_service.attention import cpu_kernel
 from worker_service.attention.cpu import DECODE_GROUP, CpuAttentionBackend
 
 # Enough decode requests of scattered lengths to be split into length groups, plus prefills.
@@ -61,3 +64,35 @@ def check(
     out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
     assert out.shape == case.query.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), dense_attention(case), atol=tolerance(dtype), rtol=0)
+
+
+def test_kernel_builds_into_the_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    stale = tmp_path / "kernels" / "cpu_decode-0000000000000000.so"
+    stale.parent.mkdir()
+    stale.write_bytes(b"")
+    cpu_kernel.load.cache_clear()
+    try:
+        assert cpu_kernel.load() is not None
+        built = list(stale.parent.iterdir())
+        assert len(built) == 1 and built[0].name.startswith("cpu_decode-")
+        assert not stale.exists()  # builds of other sources are pruned
+    finally:
+        cpu_kernel.load.cache_clear()
+
+
+def test_no_compiler_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernel.load.cache_clear()
+    try:
+        backend = CpuAttentionBackend()
+        assert not backend.decode_kernel
+        case = build_case(MANY_DECODES, 6, 2, 64, 16, torch.float32)
+        case.k_cache.nan_to_num_(FAR)
+        case.v_cache.nan_to_num_(FAR)
+        backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+        out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+        torch.testing.assert_close(out, dense_attention(case), atol=tolerance(torch.float32), rtol=0)
+    finally:
+        cpu_kernel.load.cache_clear()

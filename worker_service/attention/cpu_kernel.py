@@ -79,6 +79,9 @@ def _build(target: Path, flags: list[str]) -> None:
         os.replace(tmp, target)  # atomic: concurrent builders each publish a whole file
     finally:
         Path(tmp).unlink(missing_ok=True)
+    for stale in target.parent.glob("cpu_decode-*.so"):  # builds of older sources or flags
+        if stale != target:
+            stale.unlink(missing_ok=True)
     log.info("built the CPU decode kernel: %s", target)
 
 
