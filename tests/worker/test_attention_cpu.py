@@ -93,6 +93,8 @@ def test_no_compiler_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, tmp_pat
         case.v_cache.nan_to_num_(FAR)
         backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
         out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
-        torch.testing.assert_close(out, dense_attention(case), atol=tolerance(torch.float32), rtol=0)
+        torch.testing.assert_close(
+            out, dense_attention(case), atol=tolerance(torch.float32), rtol=0
+        )
     finally:
         cpu_kernel.load.cache_clear()
