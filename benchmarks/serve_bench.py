@@ -6,6 +6,8 @@ reports throughput, TTFT, TPOT, ITL and end-to-end latency, plus goodput.
 Any server that speaks the OpenAI completions API is measured the same way:
 `--api-key` (or $OPENAI_API_KEY) is sent as a bearer token, and a server that
 sends no usage chunk has its output tokens counted as streamed text chunks.
+Each rate draws fresh prompts (seed + the rate's index), so a prefix cache never
+serves one rate from the prompts of another.
 
     python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --rates inf,1,2
 """
@@ -178,12 +180,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         warmup = mixed_workload(args.warmup, vocab_size=args.vocab_size, seed=args.seed + 99)
         await run_rate(args.base_url, model, warmup, math.inf, 0, args.api_key)
     runs = []
-    for rate, count in zip(rates, counts, strict=True):
-        requests = mixed_workload(count, vocab_size=args.vocab_size, seed=args.seed)
-        results, duration = await run_rate(
-            args.base_url, model, requests, rate, args.seed, args.api_key
-        )
-        runs.append({"request_rate": rate, "num_prompts": count, **metrics(results, duration, slo)})
+    for i, (rate, count) in enumerate(zip(rates, counts, strict=True)):
+        seed = args.seed + i  # fresh prompts per rate: no hits on an earlier rate's prefixes
+        requests = mixed_workload(count, vocab_size=args.vocab_size, seed=seed)
+        results, duration = await run_rate(args.base_url, model, requests, rate, seed, args.api_key)
+        figures = metrics(results, duration, slo)
+        runs.append({"request_rate": rate, "num_prompts": count, "seed": seed, **figures})
         print(f"rate {rate}: {runs[-1]['output_throughput']:.1f} output tok/s, "
               f"TTFT p50 {runs[-1]['ttft_ms']['median']:.1f} ms, TPOT p50 {runs[-1]['tpot_ms']['median']:.1f} ms",
               flush=True)  # fmt: skip
@@ -237,7 +239,9 @@ def parser() -> argparse.ArgumentParser:
         "--goodput", nargs="*", default=["ttft:500", "tpot:50"], help="SLOs as metric:ms"
     )
     p.add_argument("--vocab-size", type=int, default=49152)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="workload seed of the first rate; rate i uses seed + i"
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     return p
 

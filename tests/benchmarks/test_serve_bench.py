@@ -89,12 +89,13 @@ def _bench(base_url: str, out: Path, *extra: str) -> dict:
 
 def test_measures_another_openai_server(other_server: str, tmp_path: Path) -> None:
     data = _bench(other_server, tmp_path, "--api-key", KEY)
-    expected = mixed_workload(6, vocab_size=1000, seed=0)
-    out_tokens = sum(r.output_len for r in expected)
-    in_tokens = sum(len(r.prompt_token_ids) for r in expected)
     assert data["model"] == "other-model"
     assert [r["request_rate"] for r in data["runs"]] == [float("inf"), 20.0]
-    for run in data["runs"]:
+    for seed, run in enumerate(data["runs"]):  # each rate its own prompts (seed + rate index)
+        expected = mixed_workload(6, vocab_size=1000, seed=seed)
+        out_tokens = sum(r.output_len for r in expected)
+        in_tokens = sum(len(r.prompt_token_ids) for r in expected)
+        assert run["seed"] == seed
         assert run["completed"] == 6 and run["failed"] == 0
         assert run["output_throughput"] * run["duration_s"] == pytest.approx(out_tokens)
         total = run["total_token_throughput"] * run["duration_s"]
