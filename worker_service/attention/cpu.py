@@ -61,7 +61,7 @@ DECODE_GROUP = 8
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Fast torch attention for CPUs (bf16 or fp32), via scaled_dot_product_attention."""
+    """Attention for CPUs (bf16 or fp32): a C++ paged decode kernel, torch SDPA for the rest."""
 
     name = "cpu"
 
