@@ -44,15 +44,9 @@ class _Prefill:
 
 
 @dataclass
-class _KernelDecode:
-    reqs: torch.Tensor  # [num_decode] int64 request indices (rows of block_table, seq_lens)
-    rows: torch.Tensor  # [num_decode] int64 their token rows
-
-
-@dataclass
 class _Plan:
     decode: list[_DecodeGroup]  # SDPA decode calls (without the kernel)
-    kernel_decode: _KernelDecode | None  # every decode request in one kernel call
+    kernel_decode: cpu_kernel.DecodeBatch | None  # every decode request in one kernel call
     prefills: list[_Prefill]
 
 
@@ -108,11 +102,9 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         if plan.kernel_decode is not None:
             assert self._kernel is not None
-            kd = plan.kernel_decode
             cpu_kernel.paged_decode(
-                self._kernel, query.contiguous(), k_cache, v_cache, out,
-                meta.block_table, meta.seq_lens, kd.reqs, kd.rows, scale,
-            )  # fmt: skip
+                self._kernel, query.contiguous(), k_cache, v_cache, out, plan.kernel_decode, scale
+            )
         for group in plan.decode:
             out[group.rows] = self._decode(query[group.rows], k_cache, v_cache, group, scale)
         for p in plan.prefills:
@@ -193,12 +185,19 @@ def build_plan(meta: AttentionMetadata, block_size: int, use_kernel: bool = Fals
         if q > 1
     ]
     if use_kernel:
-        device = meta.block_table.device
-        rows = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64, device=device)
-        reqs = torch.tensor(decode_reqs, dtype=torch.int64, device=device)
-        return _Plan([], _KernelDecode(reqs, rows) if decode_reqs else None, prefills)
+        return _Plan([], _kernel_batch(meta, decode_reqs, starts), prefills)
     groups = _length_groups(decode_reqs, meta.seq_lens_cpu)
     return _Plan([_decode_group(meta, g, starts, block_size) for g in groups], None, prefills)
+
+
+def _kernel_batch(
+    meta: AttentionMetadata, decode_reqs: list[int], starts: list[int]
+) -> cpu_kernel.DecodeBatch | None:
+    if not decode_reqs:
+        return None
+    rows = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64)
+    reqs = torch.tensor(decode_reqs, dtype=torch.int64)
+    return cpu_kernel.DecodeBatch(meta.block_table, meta.seq_lens, reqs, rows)
 
 
 def _length_groups(decode_reqs: list[int], seq_lens: list[int]) -> list[list[int]]:

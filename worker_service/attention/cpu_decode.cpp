@@ -10,8 +10,6 @@
 // softmax and the weighted sum are float32; bf16 inputs are widened exactly and the output
 // rounded to nearest even.
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,29 +86,41 @@ def _build(target: Path, flags: list[str]) -> None:
     log.info("built the CPU decode kernel: %s", target)
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One step's decode requests, checked once and shared by every layer's call."""
+
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    reqs: torch.Tensor  # [num_decode] int64: the decode requests
+    rows: torch.Tensor  # [num_decode] int64: their token rows
+
+    def __post_init__(self) -> None:
+        for t in (self.block_table, self.seq_lens, self.reqs, self.rows):
+            assert t.is_contiguous() and t.device.type == "cpu"
+        assert self.block_table.dtype == self.seq_lens.dtype == torch.int32
+        assert self.reqs.dtype == self.rows.dtype == torch.int64
+
+
 def paged_decode(
     lib: ctypes.CDLL,
     query: torch.Tensor,  # [num_tokens, heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
-    out: torch.Tensor,  # [num_tokens, heads, head_dim], written at `rows`
-    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_reqs] int32
-    reqs: torch.Tensor,  # [num_decode] int64: the decode requests
-    rows: torch.Tensor,  # [num_decode] int64: their token rows
+    out: torch.Tensor,  # [num_tokens, heads, head_dim], written at `batch.rows`
+    batch: DecodeBatch,
     scale: float,
 ) -> None:
     """out[rows[i]] = attention of query[rows[i]] over request reqs[i]'s cached K/V."""
-    for t in (query, k_cache, v_cache, out, block_table, seq_lens, reqs, rows):
-        assert t.is_contiguous() and t.device.type == "cpu"
-    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype
-    assert block_table.dtype == seq_lens.dtype == torch.int32
+    for t in (query, k_cache, v_cache, out):
+        assert t.is_contiguous() and t.device.type == "cpu" and t.dtype == query.dtype
     _, block_size, kv_heads, head_dim = k_cache.shape
+    b = batch
     status = lib.tessera_paged_decode(
         DTYPES[query.dtype],
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
-        reqs.data_ptr(), rows.data_ptr(), reqs.shape[0],
+        b.block_table.data_ptr(), b.block_table.shape[1], b.seq_lens.data_ptr(),
+        b.reqs.data_ptr(), b.rows.data_ptr(), b.reqs.shape[0],
         query.shape[1], kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
     )  # fmt: skip
     if status:
