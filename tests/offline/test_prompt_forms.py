@@ -47,7 +47,8 @@ def test_every_prompt_form_gives_the_same_tokens(llm: LLM, text_ids: list[int]) 
     ]
     for form in forms:
         assert _tokens(llm.generate(form, GREEDY)) == [expected], form
-    mixed = llm.generate([TEXT, text_ids, {"prompt": TEXT}, {"prompt_token_ids": text_ids}], GREEDY)
+    every: list[Any] = [TEXT, text_ids, {"prompt": TEXT}, {"prompt_token_ids": text_ids}]
+    mixed = llm.generate(every, GREEDY)
     assert _tokens(mixed) == [expected] * 4
     assert [o.prompt for o in mixed] == [TEXT, None, TEXT, None]
     assert all(o.prompt_token_ids == text_ids for o in mixed)

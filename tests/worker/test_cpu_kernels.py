@@ -67,7 +67,7 @@ def test_bf16_capable_cpu_runs_native_gemms_and_the_decode_kernel(
     tiny_dir: Path, cpu: CpuInfo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = _runner(tiny_dir, cpu, monkeypatch)
-    assert runner.backend.decode_kernel  # type: ignore[attr-defined]
+    assert runner.backend.decode_kernel
     assert not _emulated(runner)
     assert runner.model.lm_head.weight.dtype == torch.bfloat16
 
@@ -76,7 +76,7 @@ def test_avx2_cpu_runs_float32_gemms_and_the_decode_kernel(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = _runner(tiny_dir, AVX2, monkeypatch)
-    assert runner.backend.decode_kernel  # type: ignore[attr-defined]
+    assert runner.backend.decode_kernel
     assert _emulated(runner)
 
 
@@ -84,5 +84,5 @@ def test_hf_exact_turns_the_decode_kernel_off(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = _runner(tiny_dir, AMX, monkeypatch, hf_exact_numerics=True)
-    assert not runner.backend.decode_kernel  # type: ignore[attr-defined]
+    assert not runner.backend.decode_kernel
     assert not _emulated(runner)
