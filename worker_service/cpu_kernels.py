@@ -1,13 +1,13 @@
 """Which CPU kernels a bf16 model runs with, decided once at start from the CPU's flags.
 
 The default is the fastest path on every CPU class:
-- GEMMs: native bf16 where the CPU has bf16 instructions (AVX512-BF16 or AMX), else
-  float32 GEMMs over the same (bf16-valued) weights, since torch emulates bf16 GEMMs
-  dozens of times slower than float32 on AVX2-only CPUs;
+- GEMMs: oneDNN over pre-packed weights, in bf16 where the CPU has bf16 instructions
+  (AVX512-BF16 or AMX), else in float32 over the same (bf16-valued) weights, since torch
+  emulates bf16 GEMMs dozens of times slower than float32 on AVX2-only CPUs;
 - decode attention: the C++ paged kernel (GQA folded), whatever the GEMMs.
 
-`hf_exact_numerics` trades speed for HF's exact bf16 rounding: HF's own bf16 GEMMs and
-its decode attention call (no folding, no C++ kernel). The bf16 parity test turns it on.
+`hf_exact_numerics` trades speed for HF's exact bf16 rounding: HF's own bf16 GEMMs
+(F.linear, unpacked) and its decode attention call (no folding, no C++ kernel). The bf16 parity test turns it on.
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ class KernelChoice:
     reason: str
 
     def describe(self, cpu: CpuInfo) -> str:
-        gemm = "float32 GEMMs over bf16 weights" if self.float32_gemms else "native bf16 GEMMs"
+        if self.hf_exact:
+            gemm = "HF's bf16 GEMMs (F.linear)"
+        elif self.float32_gemms:
+            gemm = "oneDNN packed float32 GEMMs over bf16 weights"
+        else:
+            gemm = "oneDNN packed bf16 GEMMs"
         return f"CPU {cpu.describe()}: {gemm} ({self.reason})"
 
 

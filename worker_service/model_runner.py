@@ -30,6 +30,7 @@ from worker_service.attention import get_attention_backend
 from worker_service.cpu_kernels import KernelChoice, choose_kernels, read_cpu_info
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.loader import load_model
+from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
@@ -63,10 +64,13 @@ class ModelRunner:
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
         """Apply the GEMM and attention choice for a bf16 model on CPU, and log it."""
-        if choice.float32_gemms:
-            self.model.emulate_bf16_matmuls()
         if choice.hf_exact:
             self.backend.match_hf_kernels()
+        else:
+            self.model.pack_linears(torch.float32 if choice.float32_gemms else torch.bfloat16)
+            ops = cpu_ops.load()
+            if ops is not None:
+                self.model.use_cpu_ops(ops)
         kernel = getattr(self.backend, "decode_kernel", False)
         attention = "C++ paged decode kernel" if kernel else "SDPA decode"
         log.info("kernels: %s; decode attention: %s", choice.describe(read_cpu_info()), attention)
