@@ -48,9 +48,9 @@ class ModelConfig:
     served_model_name: str = ""
     # Weight and activation dtype; bfloat16 is the fast default, float32 the exact one.
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    # How bf16 GEMMs run on CPU: "native" bf16 kernels (HF's, bit for bit), "float32"
-    # GEMMs over upcast weights (same values, several times faster where the CPU lacks
-    # bf16 instructions), or "auto": native when the CPU has AVX512-BF16/AMX, else float32.
+    # How bf16 GEMMs run on CPU: "native" bf16 kernels, "float32" GEMMs over upcast
+    # weights (same values, several times faster where the CPU lacks bf16 instructions),
+    # or "auto": native when the CPU has AVX512-BF16/AMX, else float32.
     bf16_gemm: Literal["auto", "native", "float32"] = "auto"
     # Bit-for-bit HF bf16 numerics on CPU: HF's own bf16 GEMMs and decode attention call
     # (no GQA folding, no C++ decode kernel). Slower; the bf16 parity test turns it on.
