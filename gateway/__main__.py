@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, GatewayConfig, parse_bytes
+from services.grpc_utils import set_internal_security
 from services.log import setup_logging
+from services.security import add_security_args, security_from_args
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -39,6 +41,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--drain-timeout", type=float, default=30.0, help="seconds streams may finish on SIGTERM"
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_args(p)  # the gateway's channel to the scheduler
     return p.parse_args(argv)
 
 
@@ -61,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging("gateway", args.log_level)
+    set_internal_security(security_from_args(args))
     asyncio.run(_serve(config_from_args(args)))
 
 
