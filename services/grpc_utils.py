@@ -245,7 +245,7 @@ def aio_channel(address: str, *, security: SecurityConfig | None = None) -> grpc
     (default: the process's internal one) says."""
     security = internal_security() if security is None else security
     options = _channel_options(security)
-    interceptors = [_AioTokenInterceptor(security.token)] if security.token else None
+    interceptors = _aio_token_interceptors(security.token) if security.token else None
     if security.tls:
         creds = channel_credentials(security)
         return grpc.aio.secure_channel(address, creds, options, interceptors=interceptors)
@@ -286,13 +286,8 @@ def _bearer(token: str) -> tuple[str, str]:
     return ("authorization", f"Bearer {token}")
 
 
-class _AioTokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds `authorization: Bearer <token>` to every call of an asyncio channel."""
+class _AioToken:
+    """Adds `authorization: Bearer <token>` to a call's metadata (asyncio channels)."""
 
     def __init__(self, token: str) -> None:
         self.header = _bearer(token)
@@ -301,17 +296,31 @@ class _AioTokenInterceptor(
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self.header)
         return details._replace(metadata=metadata)
 
+
+# grpc.aio files each interceptor under the first kind it is an instance of: one class per kind.
+class _AioTokenUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioTokenUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioTokenStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _AioTokenStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
+
+
+def _aio_token_interceptors(token: str) -> list[Any]:
+    kinds = (_AioTokenUnaryUnary, _AioTokenUnaryStream, _AioTokenStreamUnary, _AioTokenStreamStream)
+    return [kind(token) for kind in kinds]
 
 
 class _CallDetails(NamedTuple):

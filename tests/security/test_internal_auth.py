@@ -24,6 +24,7 @@ from services.config import CacheConfig, SchedulerConfig, SecurityConfig
 from services.grpc_utils import (
     GrpcServer,
     Registration,
+    aio_channel,
     check_health,
     internal_security,
     set_internal_security,
@@ -212,3 +213,20 @@ def test_mutual_tls_with_token(pki: dict[str, SecurityConfig]) -> None:
 
 
 _TLS_FIELDS = ("tls_cert", "tls_key", "tls_ca")
+
+
+def test_asyncio_channels_send_the_token_on_every_kind_of_call(internal: Internal) -> None:
+    request = engine_pb2.EngineCoreRequest(request_id="a1", prompt_token_ids=[1, 2, 3])
+    request.sampling_params.max_tokens = 3
+
+    async def generate(security: SecurityConfig) -> int | grpc.StatusCode:
+        async with aio_channel(internal.engine_address, security=security) as channel:
+            stub = engine_pb2_grpc.EngineCoreStub(channel)
+            try:
+                await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)  # unary-unary
+                return sum([len(o.new_token_ids) async for o in stub.Generate(request)])
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+    assert internal.run(generate(NONE)) == grpc.StatusCode.UNAUTHENTICATED
+    assert internal.run(generate(RIGHT)) == 3
