@@ -8,6 +8,7 @@ Not thread-safe: one thread calls add_request / abort_requests / step; only
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from services.step_types import (
     SchedulerStats,
     ServerInfo,
 )
-from services.types import EngineCoreOutput, EngineCoreRequest
+from services.types import EngineCoreOutput, EngineCoreRequest, MultiModalInput
 from services.worker_api import WorkerProtocol
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,10 @@ class EngineCore:
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
-        vocab = self.model_info.vocab_size
-        if vocab and not all(0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not math.isfinite(request.arrival_time):
+            raise ValueError("arrival_time must be a finite number of seconds")
+        self._check_token_ids(request)
+        _check_mm_inputs(request.mm_inputs, len(prompt))
         min_output = max(1, request.sampling_params.min_tokens)
         if len(prompt) + min_output > self.max_model_len:
             raise ValueError(
@@ -117,6 +119,20 @@ class EngineCore:
             len(prompt) > self.scheduler_config.max_num_batched_tokens
         ):
             raise ValueError("prompt longer than max_num_batched_tokens with chunked prefill off")
+
+    def _check_token_ids(self, request: EngineCoreRequest) -> None:
+        """Prompt ids, stop_token_ids and logit_bias keys must lie in the vocabulary."""
+        vocab = self.model_info.vocab_size
+        if not vocab:
+            return
+        params = request.sampling_params
+        for name, ids in (
+            ("prompt token ids", request.prompt_token_ids),
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias keys", params.logit_bias),
+        ):
+            if not all(0 <= t < vocab for t in ids):
+                raise ValueError(f"{name} must be in [0, {vocab})")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate and queue a request (ValueError if it can never fit)."""
@@ -197,6 +213,27 @@ class EngineCore:
         """Stop the step thread pool (the workers keep running; they are not ours to stop)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+MODALITIES = ("image", "audio", "video")
+
+
+def _check_mm_inputs(items: Sequence[MultiModalInput], prompt_len: int) -> None:
+    """Each item: a known modality, a tensor, and a non-empty placeholder span inside the
+    prompt; spans ordered by offset and not overlapping."""
+    end = 0
+    for i, item in enumerate(items):
+        where = f"mm_inputs[{i}]"
+        if item.modality not in MODALITIES:
+            raise ValueError(f"{where}.modality must be one of {', '.join(MODALITIES)}")
+        if item.tensor is None:
+            raise ValueError(f"{where} has no tensor")
+        if item.length < 1 or item.offset < end or item.offset + item.length > prompt_len:
+            raise ValueError(
+                f"{where} spans [{item.offset}, {item.offset + item.length}): it must be "
+                f"non-empty, inside the prompt ({prompt_len} tokens), after the previous item"
+            )
+        end = item.offset + item.length
 
 
 def _median(samples: deque[float]) -> float:
