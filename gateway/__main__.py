@@ -36,7 +36,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cors-allow-origin", action="append", default=[], help="allowed CORS origin (repeat)"
     )
-    p.add_argument("--max-body-bytes", default="32MiB", help="largest request body (e.g. 32MiB)")
+    p.add_argument(
+        "--max-body-bytes", default="32MiB", help="largest request body or gRPC message (32MiB)"
+    )
+    p.add_argument(
+        "--max-inflight-bytes",
+        default="256MiB",
+        help="request bytes held at once over all requests; 429 past it (e.g. 256MiB)",
+    )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds streams may finish on SIGTERM"
     )
@@ -57,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_queued_requests=args.max_queued_requests,
         cors_allow_origins=tuple(args.cors_allow_origin),
         max_body_bytes=parse_bytes(args.max_body_bytes),
+        max_inflight_bytes=parse_bytes(args.max_inflight_bytes),
         drain_timeout_s=args.drain_timeout,
     )
 

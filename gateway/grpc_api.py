@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway import responses as rs
+from gateway.admission import MessageBudgetInterceptor
 from gateway.errors import ApiError, InvalidRequest
 from gateway.fields import Fields
 from gateway.protocol import ROLES, TextOptions, parse_options
@@ -191,4 +192,5 @@ def build_grpc_server(
         [registration],
         security=SecurityConfig(token=api_key),
         max_receive_bytes=max_receive_bytes,
+        interceptors=[MessageBudgetInterceptor(serving.byte_budget)],
     )

@@ -55,6 +55,7 @@ class GatewayServer:
             GatewayMetrics(),
             config.served_model_name,
             config.max_queued_requests,
+            config.max_inflight_bytes,
         )
         self.app = build_app(config, self.serving)
         self.grpc: GrpcServer | None = None

@@ -168,8 +168,11 @@ class GatewayConfig:
     max_queued_requests: int = 1024
     # Origins allowed by CORS; empty means CORS off.
     cors_allow_origins: tuple[str, ...] = ()
-    # Largest request body accepted, in bytes.
+    # Largest request body accepted, in bytes; also the gRPC text API's largest message.
     max_body_bytes: int = 32 << 20
+    # Bytes of request bodies / messages held at once across all requests (REST and gRPC);
+    # past it new ones get 429 / RESOURCE_EXHAUSTED. Bounds memory under concurrent large input.
+    max_inflight_bytes: int = 256 << 20
     # Seconds in-flight streams may take to finish on SIGTERM.
     drain_timeout_s: float = 30.0
 
@@ -179,6 +182,7 @@ class GatewayConfig:
             _require(0 <= getattr(self, name) <= 65535, f"{name} must be a TCP port")
         _require(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         _require(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        _require(self.max_inflight_bytes >= 1024, "max_inflight_bytes must be >= 1024")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
 
 

@@ -174,16 +174,19 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     )
 
 
-def _server_interceptors(security: SecurityConfig) -> list[grpc.aio.ServerInterceptor]:
+def _server_interceptors(
+    security: SecurityConfig, first: Sequence[grpc.aio.ServerInterceptor]
+) -> list[grpc.aio.ServerInterceptor]:
     auth = [TokenAuthInterceptor(security.token)] if security.token else []
-    return [*auth, ExceptionInterceptor()]
+    return [*first, *auth, ExceptionInterceptor()]
 
 
 class GrpcServer:
     """An asyncio gRPC server with health, reflection and the exception interceptor.
 
     `security` (default: the process's internal one) adds the token check and TLS;
-    `max_receive_bytes` caps one incoming message (default MAX_MESSAGE_BYTES).
+    `max_receive_bytes` caps one incoming message (default MAX_MESSAGE_BYTES);
+    `interceptors` run before the token check and the exception interceptor.
     """
 
     def __init__(
@@ -193,10 +196,13 @@ class GrpcServer:
         *,
         security: SecurityConfig | None = None,
         max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         security = internal_security() if security is None else security
         options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes)]
-        self.server = grpc.aio.server(interceptors=_server_interceptors(security), options=options)
+        self.server = grpc.aio.server(
+            interceptors=_server_interceptors(security, interceptors), options=options
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [r.service_name for r in registrations]
