@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Sequence
 
 from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
-from services.security import add_security_args, security_from_args
+from services.security import API_KEY_ENV, add_security_args, security_from_args
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -28,7 +29,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--grpc-port", type=int, default=50052, help="port of the gRPC text API; 0 disables it"
     )
     p.add_argument(
-        "--api-key", default="", help="Bearer token required on /v1, /tokenize, /detokenize"
+        "--api-key",
+        default="",
+        help="Bearer token required on /v1, /tokenize, /detokenize and the gRPC text API "
+        f"(default: the {API_KEY_ENV} variable, which `ps` does not show)",
     )
     p.add_argument(
         "--max-queued-requests", type=int, default=1024, help="requests in flight before 429"
@@ -60,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV, ""),
         max_queued_requests=args.max_queued_requests,
         cors_allow_origins=tuple(args.cors_allow_origin),
         max_body_bytes=parse_bytes(args.max_body_bytes),

@@ -17,6 +17,7 @@ import grpc
 from services.config import SecurityConfig
 
 TOKEN_ENV = "TESSERA_INTERNAL_TOKEN"
+API_KEY_ENV = "TESSERA_API_KEY"  # the gateway's client API key, when --api-key is not given
 
 
 def bearer_matches(header: str, token: str) -> bool:

@@ -8,7 +8,7 @@ import secrets
 import sys
 
 from services.default_model import served_name
-from services.security import TOKEN_ENV
+from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.launcher import Launcher, Service, grpc_ok, http_ok
 
 
@@ -78,16 +78,20 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     gateway = [
         py, "-m", "gateway", "--scheduler", scheduler_addr, "--model", args.model,
         "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
-        "--grpc-port", str(args.grpc_port), "--api-key", args.api_key,
+        "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     env = {TOKEN_ENV: token}
+    # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
+    gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
     return [
         Service("worker", worker, grpc_ok(worker_addr), env),
         Service("scheduler", scheduler, grpc_ok(scheduler_addr), env),
-        Service("gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), env),
+        Service(
+            "gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env
+        ),
     ]
 
 
