@@ -102,10 +102,10 @@ class EngineCore:
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
-        if not math.isfinite(request.arrival_time):
-            raise ValueError("arrival_time must be a finite number of seconds")
-        self._check_token_ids(request)
-        _check_mm_inputs(request.mm_inputs, len(prompt))
+        vocab = self.model_info.vocab_size
+        if vocab and not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self._check_options(request)
         min_output = max(1, request.sampling_params.min_tokens)
         if len(prompt) + min_output > self.max_model_len:
             raise ValueError(
@@ -120,19 +120,19 @@ class EngineCore:
         ):
             raise ValueError("prompt longer than max_num_batched_tokens with chunked prefill off")
 
-    def _check_token_ids(self, request: EngineCoreRequest) -> None:
-        """Prompt ids, stop_token_ids and logit_bias keys must lie in the vocabulary."""
-        vocab = self.model_info.vocab_size
-        if not vocab:
-            return
-        params = request.sampling_params
+    def _check_options(self, request: EngineCoreRequest) -> None:
+        """stop_token_ids and logit_bias keys in the vocabulary, well-formed mm_inputs,
+        a finite arrival_time."""
+        vocab, params = self.model_info.vocab_size, request.sampling_params
         for name, ids in (
-            ("prompt token ids", request.prompt_token_ids),
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias keys", params.logit_bias),
         ):
-            if not all(0 <= t < vocab for t in ids):
+            if vocab and not all(0 <= t < vocab for t in ids):
                 raise ValueError(f"{name} must be in [0, {vocab})")
+        _check_mm_inputs(request.mm_inputs, len(request.prompt_token_ids))
+        if not math.isfinite(request.arrival_time):
+            raise ValueError("arrival_time must be a finite number of seconds")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate and queue a request (ValueError if it can never fit)."""
