@@ -21,6 +21,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -255,8 +256,14 @@ def soak(
         warm = asyncio.run(drive(server, warmup, concurrency, seed + 1))
         wait_idle(server)
         rss_warm = server.rss_mb()
+        timeline: list[dict[str, float]] = []
+        done = threading.Event()
+        sampler = threading.Thread(target=_sample_rss, args=(server, timeline, done), daemon=True)
+        sampler.start()
         outcomes = asyncio.run(drive(server, num, concurrency, seed))
         elapsed = time.monotonic() - start
+        done.set()
+        sampler.join()
         stats = wait_idle(server)
         rss_end = server.rss_mb()
     finally:
@@ -275,9 +282,21 @@ def soak(
         "elapsed_s": round(elapsed, 1), "outcomes": dict(outcomes), "warmup_outcomes": dict(warm),
         "rss_mb_after_warmup": _round(rss_warm), "rss_mb_end": _round(rss_end),
         "rss_growth": _round(growth, 4), "kv_blocks_in_use_end": stats.num_blocks_used,
+        "rss_mb_timeline": timeline,
         "checks": checks, "ok": all(checks.values()),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
     }  # fmt: skip
+
+
+def _sample_rss(
+    server: Server, timeline: list[dict[str, float]], done: threading.Event, every_s: float = 15.0
+) -> None:
+    """Append {t, service: RSS MB} every `every_s` seconds until `done` is set."""
+    start = time.monotonic()
+    while True:
+        timeline.append({"t": round(time.monotonic() - start, 1), **_round(server.rss_mb())})
+        if done.wait(every_s):
+            return
 
 
 def _round(d: dict[str, float], digits: int = 1) -> dict[str, float]:
