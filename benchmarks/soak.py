@@ -284,7 +284,7 @@ def soak(
         "rss_growth": _round(growth, 4), "kv_blocks_in_use_end": stats.num_blocks_used,
         "rss_mb_timeline": timeline,
         "checks": checks, "ok": all(checks.values()),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count()},
     }  # fmt: skip
 
 
@@ -297,6 +297,17 @@ def _sample_rss(
         timeline.append({"t": round(time.monotonic() - start, 1), **_round(server.rss_mb())})
         if done.wait(every_s):
             return
+
+
+def _cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (figures name their CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _round(d: dict[str, float], digits: int = 1) -> dict[str, float]:
