@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench clean
+.PHONY: install proto model test test-fast lint serve bench soak clean
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -54,6 +54,12 @@ clean:
 # on a 2-core AVX2 machine, 11 of them in the HF baselines (HF static batching alone: ~7.5).
 bench: install
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
+
+# Soak: 2,000 mixed requests (HTTP stream / plain, gRPC, 30% disconnects, n=2, stop strings)
+# against a fresh `tessera serve`; results in bench-results/soak.{json,md}; fails on any check.
+SOAK_ARGS ?=
+soak: install
+	$(PY) -m benchmarks.soak --out bench-results $(SOAK_ARGS)
 
 SERVE_ARGS ?=
 serve: install

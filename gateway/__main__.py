@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Sequence
 
 from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, GatewayConfig, parse_bytes
+from services.grpc_utils import set_internal_security
 from services.log import setup_logging
+from services.security import API_KEY_ENV, add_security_args, security_from_args
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -26,7 +29,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--grpc-port", type=int, default=50052, help="port of the gRPC text API; 0 disables it"
     )
     p.add_argument(
-        "--api-key", default="", help="Bearer token required on /v1, /tokenize, /detokenize"
+        "--api-key",
+        default="",
+        help="Bearer token required on /v1, /tokenize, /detokenize and the gRPC text API "
+        f"(default: the {API_KEY_ENV} variable, which `ps` does not show)",
     )
     p.add_argument(
         "--max-queued-requests", type=int, default=1024, help="requests in flight before 429"
@@ -34,11 +40,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cors-allow-origin", action="append", default=[], help="allowed CORS origin (repeat)"
     )
-    p.add_argument("--max-body-bytes", default="32MiB", help="largest request body (e.g. 32MiB)")
+    p.add_argument(
+        "--max-body-bytes", default="32MiB", help="largest request body or gRPC message (32MiB)"
+    )
+    p.add_argument(
+        "--max-inflight-bytes",
+        default="256MiB",
+        help="request bytes held at once over all requests; 429 past it (e.g. 256MiB)",
+    )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds streams may finish on SIGTERM"
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_args(p)  # the gateway's channel to the scheduler
     return p.parse_args(argv)
 
 
@@ -50,10 +64,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV, ""),
         max_queued_requests=args.max_queued_requests,
         cors_allow_origins=tuple(args.cors_allow_origin),
         max_body_bytes=parse_bytes(args.max_body_bytes),
+        max_inflight_bytes=parse_bytes(args.max_inflight_bytes),
         drain_timeout_s=args.drain_timeout,
     )
 
@@ -61,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging("gateway", args.log_level)
+    set_internal_security(security_from_args(args))
     asyncio.run(_serve(config_from_args(args)))
 
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import metrics as gm
+from gateway.admission import BodyBudgetMiddleware
 from gateway.errors import ApiError, MethodNotAllowed, NotFound, ServiceUnavailable, internal_error
 from gateway.http_io import ClientDisconnected, read_json
 from gateway.middleware import GatewayMiddleware
@@ -133,7 +134,8 @@ def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
             metrics=serving.metrics,
             routes=[r.path for r in routes],
             api_key=config.api_key,
-        )
+        ),
+        Middleware(BodyBudgetMiddleware, budget=serving.byte_budget),
     ]
     if config.cors_allow_origins:  # outermost, so even a 401 carries the CORS headers
         middleware.insert(

@@ -13,10 +13,12 @@ from dataclasses import replace
 from typing import Any
 
 from gateway import responses as rs
+from gateway.admission import MessageBudgetInterceptor
 from gateway.errors import ApiError, InvalidRequest
 from gateway.fields import Fields
 from gateway.protocol import ROLES, TextOptions, parse_options
 from gateway.serving import GenerateJob, Serving
+from services.config import SecurityConfig
 from services.grpc_utils import GrpcServer, Registration
 from services.pb import generate_pb2 as pb
 from services.pb import generate_pb2_grpc as pb_grpc
@@ -177,9 +179,18 @@ async def _checked(awaitable: Any, context: Any) -> Any:
         await context.abort(exc.grpc_code, exc.message)
 
 
-def build_grpc_server(address: str, serving: Serving) -> GrpcServer:
-    """A GrpcServer (health + reflection) carrying the TextGeneration service."""
+def build_grpc_server(
+    address: str, serving: Serving, api_key: str = "", max_receive_bytes: int = 32 << 20
+) -> GrpcServer:
+    """A GrpcServer (health + reflection) carrying the TextGeneration service; with `api_key`
+    every call but health and reflection needs `authorization: Bearer <api_key>`."""
     registration = Registration(
         SERVICE_NAME, pb_grpc.add_TextGenerationServicer_to_server, TextGenerationServicer(serving)
     )
-    return GrpcServer(address, [registration])
+    return GrpcServer(
+        address,
+        [registration],
+        security=SecurityConfig(token=api_key),
+        max_receive_bytes=max_receive_bytes,
+        interceptors=[MessageBudgetInterceptor(serving.byte_budget)],
+    )

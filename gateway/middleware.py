@@ -6,7 +6,6 @@ reaches the routes, which abort engine requests when a client goes away.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -20,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import Unauthorized
 from gateway.metrics import GatewayMetrics
 from services.log import request_id_var
+from services.security import bearer_matches
 
 access_log = logging.getLogger("gateway.access")
 _REQUEST_ID = re.compile(r"^[\w.:/@+=-]{1,128}$")
@@ -69,9 +69,7 @@ class GatewayMiddleware:
             return True
         if scope["method"] == "OPTIONS":
             return True  # CORS preflight carries no credentials
-        header = _header(scope, b"authorization")
-        expected = f"Bearer {self.api_key}"
-        return hmac.compare_digest(header.encode(), expected.encode())
+        return bearer_matches(_header(scope, b"authorization"), self.api_key)
 
     def _record(self, scope: Scope, rid: str, state: dict[str, Any]) -> None:
         path = scope["path"]

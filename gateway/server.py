@@ -55,6 +55,7 @@ class GatewayServer:
             GatewayMetrics(),
             config.served_model_name,
             config.max_queued_requests,
+            config.max_inflight_bytes,
         )
         self.app = build_app(config, self.serving)
         self.grpc: GrpcServer | None = None
@@ -68,7 +69,10 @@ class GatewayServer:
         await self._describe_model()
         if self.config.grpc_port:  # 0 disables the text API
             self.grpc = build_grpc_server(
-                f"{self.config.host}:{self.config.grpc_port}", self.serving
+                f"{self.config.host}:{self.config.grpc_port}",
+                self.serving,
+                self.config.api_key,
+                self.config.max_body_bytes,
             )
             self.grpc_port = self.grpc.port
             await self.grpc.start()

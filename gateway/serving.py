@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 
+from gateway.admission import ByteBudget
 from gateway.engine_client import EngineClient
 from gateway.errors import (
     EngineError,
@@ -71,6 +72,7 @@ class Serving:
         metrics: GatewayMetrics,
         served_model_name: str = "",
         max_in_flight: int = 1024,
+        max_inflight_bytes: int = 256 << 20,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -78,6 +80,7 @@ class Serving:
         self.served_model_name = served_model_name
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        self.byte_budget = ByteBudget(max_inflight_bytes)  # request bytes held, REST and gRPC
         self.draining = False
         self._card: ModelCard | None = None
 
@@ -90,6 +93,7 @@ class Serving:
             name = self.served_model_name or info.model_name or "default"
             vocab = info.vocab_size or self.tokenizer.vocab_size
             self._card = ModelCard(name, info.max_model_len, vocab, int(time.time()))
+            self.tokenizer.limit_tokens(info.max_model_len)
         return self._card
 
     async def check_model(self, model: str | None) -> ModelCard:

@@ -3,6 +3,12 @@
 Free of HTTP concerns so the offline API can reuse it. Blocking methods do the
 work inline; the `*_async` variants run it on a small thread pool so one long
 prompt never stalls the event loop (the Rust tokenizer releases the GIL).
+
+Text is checked before any tokenizer work (InvalidRequest): it must be valid
+Unicode (no lone surrogates), and once `limit_tokens(max_model_len)` was called,
+no longer than max_model_len tokens could possibly cover: max_model_len times the
+longest vocabulary entry, in characters. So a prompt costs tokenizer time and
+memory bounded by the context length, never by its size.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gateway.errors import InvalidRequest
 from services.default_model import resolve_model
 
 T = TypeVar("T")
@@ -28,8 +35,17 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any, max_workers: int = 2) -> None:
         self.hf = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
-        self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+        # Every id decode(skip_special_tokens=True) drops: the named special tokens and any
+        # added token flagged special (SmolLM2's <repo_name>, <file_sep>, ... are only these).
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {})
+        self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids) | {
+            i for i, token in added.items() if getattr(token, "special", False)
+        }
         self.vocab_size: int = len(hf_tokenizer)
+        # Most characters one token covers (a byte-level or sentencepiece symbol is never
+        # shorter than the text it stands for).
+        self.max_token_chars: int = max(map(len, hf_tokenizer.get_vocab()), default=1)
+        self.max_text_chars: int | None = None  # set by limit_tokens()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tokenize")
 
     @classmethod
@@ -44,20 +60,53 @@ class Tokenizer:
         """Stop the thread pool (pending work finishes first)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def limit_tokens(self, max_model_len: int) -> None:
+        """Refuse, before tokenizing, text too long to fit in `max_model_len` tokens."""
+        self.max_text_chars = max_model_len * self.max_token_chars
+
+    def check_text(self, text: str, what: str = "the prompt") -> None:
+        """InvalidRequest unless `text` is valid Unicode and within `max_text_chars`."""
+        self._check_length(len(text), what)
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest(
+                    f"{what} is not valid Unicode: a lone surrogate "
+                    f"(U+{ord(text[exc.start]):04X}) at character {exc.start}"
+                ) from None
+
+    def _check_length(self, num_chars: int, what: str) -> None:
+        limit = self.max_text_chars
+        if limit is not None and num_chars > limit:
+            raise InvalidRequest(
+                f"{what} is {num_chars} characters; no text over {limit} characters fits "
+                f"the context length ({limit // self.max_token_chars} tokens)"
+            )
+
     # -- blocking API ------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`."""
+        """Token ids of `text` (checked first, see `check_text`)."""
+        self.check_text(text)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, messages: Sequence[ChatTurn], add_generation_prompt: bool = True) -> str:
         """The chat rendered by the model's template, as text."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
+        self._check_messages(messages)
         text = self.hf.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return str(text)
+
+    def _check_messages(self, messages: Sequence[ChatTurn]) -> None:
+        """`check_text` on each message's text and on their total length."""
+        texts = [t for m in messages for t in _texts(m.get("content"))]
+        self._check_length(sum(map(len, texts)), "the conversation")
+        for text in texts:
+            self.check_text(text, "a message")
 
     def encode_chat(
         self, messages: Sequence[ChatTurn], add_generation_prompt: bool = True
@@ -95,3 +144,14 @@ class Tokenizer:
 
     async def decode_async(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return await self.run(self.decode, token_ids, skip_special_tokens)
+
+
+def _texts(content: Any) -> list[str]:
+    """The text of a message's content: a string, or the text parts of a list."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
+    return []

@@ -14,8 +14,9 @@ from scheduler_service.engine import EngineCore
 from scheduler_service.service import EngineCoreServer
 from scheduler_service.worker_client import GrpcWorkerClient
 from services.config import CacheConfig, SchedulerConfig
-from services.grpc_utils import check_health
+from services.grpc_utils import check_health, set_internal_security
 from services.log import setup_logging
+from services.security import add_security_args, security_from_args
 
 log = logging.getLogger("scheduler_service")
 
@@ -73,6 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a worker silent this long during a step counts as lost",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")  # fmt: skip
+    add_security_args(p)
     return p.parse_args(argv)
 
 
@@ -128,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging("scheduler", args.log_level)
     try:
+        set_internal_security(security_from_args(args))
         asyncio.run(serve(args))
     except (ValueError, TimeoutError, RuntimeError) as exc:
         log.error("%s", exc)

@@ -8,6 +8,7 @@ Not thread-safe: one thread calls add_request / abort_requests / step; only
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from services.step_types import (
     SchedulerStats,
     ServerInfo,
 )
-from services.types import EngineCoreOutput, EngineCoreRequest
+from services.types import EngineCoreOutput, EngineCoreRequest, MultiModalInput
 from services.worker_api import WorkerProtocol
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class EngineCore:
         vocab = self.model_info.vocab_size
         if vocab and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self._check_options(request)
         min_output = max(1, request.sampling_params.min_tokens)
         if len(prompt) + min_output > self.max_model_len:
             raise ValueError(
@@ -119,6 +121,20 @@ class EngineCore:
             len(prompt) > self.scheduler_config.max_num_batched_tokens
         ):
             raise ValueError("prompt longer than max_num_batched_tokens with chunked prefill off")
+
+    def _check_options(self, request: EngineCoreRequest) -> None:
+        """stop_token_ids and logit_bias keys in the vocabulary, well-formed mm_inputs,
+        a finite arrival_time."""
+        vocab, params = self.model_info.vocab_size, request.sampling_params
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias keys", params.logit_bias),
+        ):
+            if vocab and not all(0 <= t < vocab for t in ids):
+                raise ValueError(f"{name} must be in [0, {vocab})")
+        _check_mm_inputs(request.mm_inputs, len(request.prompt_token_ids))
+        if not math.isfinite(request.arrival_time):
+            raise ValueError("arrival_time must be a finite number of seconds")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate and queue a request (ValueError if it can never fit)."""
@@ -199,6 +215,27 @@ class EngineCore:
         """Stop the step thread pool (the workers keep running; they are not ours to stop)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+MODALITIES = ("image", "audio", "video")
+
+
+def _check_mm_inputs(items: Sequence[MultiModalInput], prompt_len: int) -> None:
+    """Each item: a known modality, a tensor, and a non-empty placeholder span inside the
+    prompt; spans ordered by offset and not overlapping."""
+    end = 0
+    for i, item in enumerate(items):
+        where = f"mm_inputs[{i}]"
+        if item.modality not in MODALITIES:
+            raise ValueError(f"{where}.modality must be one of {', '.join(MODALITIES)}")
+        if item.tensor is None:
+            raise ValueError(f"{where} has no tensor")
+        if item.length < 1 or item.offset < end or item.offset + item.length > prompt_len:
+            raise ValueError(
+                f"{where} spans [{item.offset}, {item.offset + item.length}): it must be "
+                f"non-empty, inside the prompt ({prompt_len} tokens), after the previous item"
+            )
+        end = item.offset + item.length
 
 
 def _median(samples: deque[float]) -> float:

@@ -175,8 +175,11 @@ class GatewayConfig:
     max_queued_requests: int = 1024
     # Origins allowed by CORS; empty means CORS off.
     cors_allow_origins: tuple[str, ...] = ()
-    # Largest request body accepted, in bytes.
+    # Largest request body accepted, in bytes; also the gRPC text API's largest message.
     max_body_bytes: int = 32 << 20
+    # Bytes of request bodies / messages held at once across all requests (REST and gRPC);
+    # past it new ones get 429 / RESOURCE_EXHAUSTED. Bounds memory under concurrent large input.
+    max_inflight_bytes: int = 256 << 20
     # Seconds in-flight streams may take to finish on SIGTERM.
     drain_timeout_s: float = 30.0
 
@@ -186,4 +189,32 @@ class GatewayConfig:
             _require(0 <= getattr(self, name) <= 65535, f"{name} must be a TCP port")
         _require(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         _require(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        _require(self.max_inflight_bytes >= 1024, "max_inflight_bytes must be >= 1024")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Who may call a gRPC service and over what transport (the server and its clients)."""
+
+    # Shared secret callers send as `authorization: Bearer <token>`; empty: no token check.
+    token: str = ""
+    # PEM certificate chain of this process: its server identity and, with tls_ca, its client
+    # identity for mutual TLS. Empty: plaintext (unless tls_ca alone makes a TLS client).
+    tls_cert: str = ""
+    # PEM private key of tls_cert.
+    tls_key: str = ""
+    # PEM CA bundle: servers then require client certificates it signed (mutual TLS);
+    # clients verify the server's certificate with it.
+    tls_ca: str = ""
+    # Host name to check the server certificate against when it differs from the host dialled.
+    tls_server_name: str = ""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
+        _require(not self.tls_server_name or self.tls, "tls_server_name needs tls_ca or tls_cert")
+
+    @property
+    def tls(self) -> bool:
+        """True when connections use TLS."""
+        return bool(self.tls_cert or self.tls_ca)

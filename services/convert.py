@@ -13,8 +13,10 @@ CachedRequestData the generated decoder reads, in effect:
     def decode(msg):
         return cls(msg.request_id, list(msg.new_block_ids), msg.num_computed_tokens)
 
-Rules: a None domain value leaves the proto field unset; an unset proto field
-with presence (optional scalars, messages, oneof members) takes the dataclass
+Rules: a None domain value leaves the proto field unset; an unset optional
+scalar whose hint admits None decodes to None (presence is the meaning: unset
+`max_tokens` is "up to max_model_len", whatever the dataclass default); any other
+unset proto field with presence (messages, oneof members) takes the dataclass
 default; repeated fields become lists (tuples where the hint says tuple); enum
 fields become the hinted enum; nested messages and lists of them recurse.
 """
@@ -100,7 +102,7 @@ def _compile_decoder(cls: type, message_cls: type[Message]) -> Decoder:
     ):
         expr = _read_expr(i, _get("msg", name), hint, fd, ns)
         if fd.has_presence and not fd.is_repeated:
-            ns[f"d{i}"] = _default_thunk(cls, f)
+            ns[f"d{i}"] = _unset_value(cls, f, fd)
             expr = f"({expr} if msg.HasField({name!r}) else d{i}())"
         args.append(expr)
     src = f"def decode(msg):\n    return cls({', '.join(args)})\n"
@@ -174,6 +176,15 @@ def _nested_encoder(hint: Any, message_cls: type[Message]) -> Encoder:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _encoder(hint, message_cls)
     return lambda msg, obj: _encoder(type(obj), message_cls)(msg, obj)
+
+
+def _unset_value(cls: type, f: dataclasses.Field[Any], fd: Any) -> Callable[[], Any]:
+    """What an unset field with presence decodes to: None for an optional scalar whose hint
+    admits None, else the dataclass default."""
+    hint = typing.get_type_hints(cls)[f.name]
+    if fd.message_type is None and hint is not _strip_optional(hint):
+        return lambda: None
+    return _default_thunk(cls, f)
 
 
 def _default_thunk(cls: type, f: dataclasses.Field[Any]) -> Callable[[], Any]:

@@ -2,6 +2,10 @@
 
 Every server gets the same message limits and keepalive, `grpc.health.v1`,
 reflection, and an interceptor that turns exceptions into proper statuses.
+A server with a token refuses calls without `authorization: Bearer <token>`
+(UNAUTHENTICATED; health and reflection stay open); with certificates it serves
+TLS. Servers and channels made without an explicit `security` use the process's
+internal one, set once at start-up by `set_internal_security`.
 """
 
 from __future__ import annotations
@@ -9,11 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.config import SecurityConfig
+from services.security import bearer_matches, channel_credentials, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +31,8 @@ _KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-SERVER_OPTIONS = [
+SERVER_OPTIONS = [  # GrpcServer adds grpc.max_receive_message_length
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
     *_KEEPALIVE,
@@ -44,6 +50,22 @@ _STATUS_BY_EXCEPTION: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
+
+
+# Methods any caller may use, token or not.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_internal_security = SecurityConfig()
+
+
+def set_internal_security(config: SecurityConfig) -> None:
+    """Set the token/TLS that this process's internal servers and channels use by default."""
+    global _internal_security
+    _internal_security = config
+
+
+def internal_security() -> SecurityConfig:
+    """The process's internal SecurityConfig (no token, plaintext until set)."""
+    return _internal_security
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -83,6 +105,43 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED), except
+    health and reflection."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        metadata = details.invocation_metadata or ()
+        header = next((str(v) for k, v in metadata if k == "authorization"), "")
+        return handler if bearer_matches(header, self.token) else _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` with its behaviour replaced by an UNAUTHENTICATED abort."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await deny(request, context)
+        yield None  # pragma: no cover (abort raised)
+
+    kind = next(k for k in _HANDLER_KINDS if getattr(handler, k) is not None)
+    return handler._replace(**{kind: deny_stream if kind.endswith("_stream") else deny})
+
+
+_HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+
 def _guard_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -115,11 +174,35 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     )
 
 
-class GrpcServer:
-    """An asyncio gRPC server with health, reflection and the exception interceptor."""
+def _server_interceptors(
+    security: SecurityConfig, first: Sequence[grpc.aio.ServerInterceptor]
+) -> list[grpc.aio.ServerInterceptor]:
+    auth = [TokenAuthInterceptor(security.token)] if security.token else []
+    return [*first, *auth, ExceptionInterceptor()]
 
-    def __init__(self, address: str, registrations: Sequence[Registration]) -> None:
-        self.server = grpc.aio.server(interceptors=[ExceptionInterceptor()], options=SERVER_OPTIONS)
+
+class GrpcServer:
+    """An asyncio gRPC server with health, reflection and the exception interceptor.
+
+    `security` (default: the process's internal one) adds the token check and TLS;
+    `max_receive_bytes` caps one incoming message (default MAX_MESSAGE_BYTES);
+    `interceptors` run before the token check and the exception interceptor.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        registrations: Sequence[Registration],
+        *,
+        security: SecurityConfig | None = None,
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        security = internal_security() if security is None else security
+        options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes)]
+        self.server = grpc.aio.server(
+            interceptors=_server_interceptors(security, interceptors), options=options
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [r.service_name for r in registrations]
@@ -129,7 +212,10 @@ class GrpcServer:
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         self.service_names = names
-        self.port = self.server.add_insecure_port(address)
+        if security.tls:
+            self.port = self.server.add_secure_port(address, server_credentials(security))
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
 
@@ -155,22 +241,129 @@ class GrpcServer:
         await self.server.wait_for_termination()
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel with the shared limits."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _channel_options(security: SecurityConfig) -> list[tuple[str, Any]]:
+    name = [("grpc.ssl_target_name_override", security.tls_server_name)]
+    return [*CHANNEL_OPTIONS, *(name if security.tls_server_name else [])]
 
 
-def sync_channel(address: str) -> grpc.Channel:
-    """A blocking channel with the shared limits."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def aio_channel(address: str, *, security: SecurityConfig | None = None) -> grpc.aio.Channel:
+    """An asyncio channel with the shared limits; sends the token and uses TLS as `security`
+    (default: the process's internal one) says."""
+    security = internal_security() if security is None else security
+    options = _channel_options(security)
+    interceptors = _aio_token_interceptors(security.token) if security.token else None
+    if security.tls:
+        creds = channel_credentials(security)
+        return grpc.aio.secure_channel(address, creds, options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
 
 
-def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
+def sync_channel(address: str, *, security: SecurityConfig | None = None) -> grpc.Channel:
+    """A blocking channel with the shared limits, token and TLS as in `aio_channel`."""
+    security = internal_security() if security is None else security
+    options = _channel_options(security)
+    if security.tls:
+        channel = grpc.secure_channel(address, channel_credentials(security), options)
+    else:
+        channel = grpc.insecure_channel(address, options)
+    if security.token:
+        return grpc.intercept_channel(channel, _SyncTokenInterceptor(security.token))
+    return channel
+
+
+def check_health(
+    address: str,
+    service: str = "",
+    timeout_s: float = 2.0,
+    *,
+    security: SecurityConfig | None = None,
+) -> bool:
     """True when the server at `address` reports SERVING for `service` ("" = the whole server)."""
-    with sync_channel(address) as channel:
+    with sync_channel(address, security=security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _bearer(token: str) -> tuple[str, str]:
+    return ("authorization", f"Bearer {token}")
+
+
+class _AioToken:
+    """Adds `authorization: Bearer <token>` to a call's metadata (asyncio channels)."""
+
+    def __init__(self, token: str) -> None:
+        self.header = _bearer(token)
+
+    def _details(self, details: Any) -> Any:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self.header)
+        return details._replace(metadata=metadata)
+
+
+# grpc.aio files each interceptor under the first kind it is an instance of: one class per kind.
+class _AioTokenUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioTokenUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioTokenStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _AioTokenStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+def _aio_token_interceptors(token: str) -> list[Any]:
+    kinds = (_AioTokenUnaryUnary, _AioTokenUnaryStream, _AioTokenStreamUnary, _AioTokenStreamStream)
+    return [kind(token) for kind in kinds]
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _SyncTokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call of a blocking channel."""
+
+    def __init__(self, token: str) -> None:
+        self.header = _bearer(token)
+
+    def _details(self, d: Any) -> Any:
+        metadata = [*(d.metadata or ()), self.header]
+        return _CallDetails(
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready,
+            getattr(d, "compression", None),
+        )  # fmt: skip
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import sys
 
+from services.default_model import served_name
+from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.launcher import Launcher, Service, grpc_ok, http_ok
 
 
@@ -57,8 +61,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=serve)
 
 
-def build_services(args: argparse.Namespace) -> list[Service]:
-    """The three services with their flags, in start order."""
+def internal_token() -> str:
+    """The token the three services share: TESSERA_INTERNAL_TOKEN when set, else a fresh one."""
+    return os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+
+
+def build_services(args: argparse.Namespace, token: str) -> list[Service]:
+    """The three services with their flags, in start order; `token` reaches them through
+    the environment (not argv, which `ps` shows)."""
     py = sys.executable
     worker_addr = f"127.0.0.1:{args.worker_port}"
     scheduler_addr = f"127.0.0.1:{args.scheduler_port}"
@@ -80,25 +90,31 @@ def build_services(args: argparse.Namespace) -> list[Service]:
     gateway = [
         py, "-m", "gateway", "--scheduler", scheduler_addr, "--model", args.model,
         "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
-        "--grpc-port", str(args.grpc_port), "--api-key", args.api_key,
+        "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    env = {TOKEN_ENV: token}
+    # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
+    gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
     return [
-        Service("worker", worker, grpc_ok(worker_addr)),
-        Service("scheduler", scheduler, grpc_ok(scheduler_addr)),
-        Service("gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health")),
+        Service("worker", worker, grpc_ok(worker_addr), env),
+        Service("scheduler", scheduler, grpc_ok(scheduler_addr), env),
+        Service(
+            "gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env
+        ),
     ]
 
 
 def serve(args: argparse.Namespace) -> int:
-    services = build_services(args)
+    services = build_services(args, internal_token())
     url = f"http://{args.host}:{args.port}/v1"
+    name = args.served_model_name or served_name(args.model)
 
     def announce() -> None:
         print(
-            f"tessera: serving {args.model} at {url} (gRPC text API on :{args.grpc_port})",
+            f"tessera: serving {name} at {url} (gRPC text API on :{args.grpc_port})",
             flush=True,
         )
 

@@ -1,35 +1,65 @@
 """`tessera serve`: worker, scheduler and gateway as three local processes on loopback.
 
 Started in dependency order, each gated on its health; their logs are streamed
-with a service prefix. SIGINT/SIGTERM drains the gateway, then stops the
-scheduler and the worker. A service that dies on its own is reported by name;
-the others keep running so clients see 503s and errors rather than hangs.
+with a service prefix. A service that dies on its own is logged and restarted
+after a backoff that doubles with each quick death (1 s up to 30 s) and resets once
+it stayed up a minute. SIGINT/SIGTERM drains the gateway, then stops the scheduler
+and the worker. Children die with the launcher even when it is SIGKILLed (Linux).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 
 from services.grpc_utils import check_health
 from services.healthcheck import http_healthy
 
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0  # up this long, a service's next death restarts it after BACKOFF_FIRST_S
+_PR_SET_PDEATHSIG = 1
+
+
+@functools.cache
+def _prctl() -> Callable[..., int]:
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent_fn() -> Callable[[], None] | None:
+    """A pre-exec hook that SIGTERMs the child when the launcher dies (Linux only). The
+    libc lookup happens here, in the parent: the forked child only makes the call."""
+    if sys.platform != "linux":
+        return None
+    prctl = _prctl()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return hook
+
 
 @dataclass
 class Service:
-    """One child process and how to tell it is ready."""
+    """One child process, how to tell it is ready, and its restart state."""
 
     name: str
     argv: list[str]
     ready: Callable[[], bool]
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the launcher's environment
     process: subprocess.Popen[str] | None = None
-    reported_exit: bool = False
+    started_at: float = 0.0
+    backoff_s: float = BACKOFF_FIRST_S
+    restart_at: float | None = None  # when a dead service is due to start again
     log_thread: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -39,8 +69,12 @@ class Service:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            env={**os.environ, **self.env},
             start_new_session=True,  # our signals reach it only through us
+            preexec_fn=_die_with_parent_fn(),
         )
+        self.started_at = time.monotonic()
+        self.restart_at = None
         self.log_thread = threading.Thread(target=self._pump, daemon=True)
         self.log_thread.start()
 
@@ -65,6 +99,15 @@ class Service:
             self.process.kill()
             self.process.wait()
 
+    def schedule_restart(self, now: float) -> float:
+        """Note a death at `now`; returns the delay before the restart."""
+        if now - self.started_at >= STABLE_AFTER_S:
+            self.backoff_s = BACKOFF_FIRST_S
+        delay = self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, BACKOFF_MAX_S)
+        self.restart_at = now + delay
+        return delay
+
 
 def http_ok(url: str) -> Callable[[], bool]:
     """A readiness probe: GET url answers 200."""
@@ -77,7 +120,7 @@ def grpc_ok(address: str) -> Callable[[], bool]:
 
 
 class Launcher:
-    """Starts services in order, watches them, and stops them in reverse order."""
+    """Starts services in order, restarts those that die, and stops them in reverse order."""
 
     def __init__(self, services: list[Service], start_timeout_s: float, drain_timeout_s: float):
         self.services = services
@@ -94,7 +137,7 @@ class Launcher:
                     return 1
             on_ready()
             while not self._stop.wait(0.5):
-                self._report_deaths()
+                self._supervise()
             return 0
         finally:
             self.shutdown()
@@ -118,14 +161,19 @@ class Launcher:
             )
         return False
 
-    def _report_deaths(self) -> None:
+    def _supervise(self) -> None:
+        """Log each death, and restart dead services once their backoff has passed."""
+        now = time.monotonic()
         for service in self.services:
-            if service.process is not None and not service.alive() and not service.reported_exit:
-                service.reported_exit = True
+            if service.process is None or service.alive():
+                continue
+            if service.restart_at is None:
+                delay = service.schedule_restart(now)
                 code = service.process.returncode
-                print(
-                    f"tessera: {service.name} died (exit code {code})", file=sys.stderr, flush=True
-                )
+                _say(f"{service.name} died (exit code {code}); restarting in {delay:.0f}s")
+            elif now >= service.restart_at and not self._stop.is_set():
+                _say(f"restarting {service.name}")
+                service.start()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop.set()
@@ -134,3 +182,7 @@ class Launcher:
         """Gateway first (it drains in-flight streams), then scheduler, then worker."""
         for i, service in enumerate(reversed(self.services)):
             service.stop(self.drain_timeout_s + 5 if i == 0 else 10)
+
+
+def _say(message: str) -> None:
+    print(f"tessera: {message}", file=sys.stderr, flush=True)

@@ -8,7 +8,9 @@ import logging
 import signal
 
 from services.config import CacheConfig, ModelConfig, WorkerConfig, parse_bytes
+from services.grpc_utils import set_internal_security
 from services.log import setup_logging
+from services.security import add_security_args, security_from_args
 from worker_service.server import build_server
 
 log = logging.getLogger("worker_service")
@@ -53,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--seed", type=int, default=0, help="seed of the generator shared by unseeded requests"
     )
     p.add_argument("--log-level", default="INFO")
+    add_security_args(p)
     return p.parse_args(argv)
 
 
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("worker", args.log_level)
     try:
         config = build_config(args)
+        set_internal_security(security_from_args(args))
         asyncio.run(serve(config, f"{args.host}:{args.port}"))
     except (ValueError, FileNotFoundError, OSError) as exc:
         log.error("%s", exc)

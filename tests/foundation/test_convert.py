@@ -217,7 +217,12 @@ def test_unset_optional_fields_take_domain_defaults() -> None:
 
     params = convert.from_proto(engine_pb2.SamplingParams(), SamplingParams)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.repetition_penalty == 1.0
-    assert params.max_tokens == 16 and params.seed is None and params.logprobs is None
+    # an unset optional scalar is None (engine.proto: unset max_tokens = up to max_model_len),
+    # not the dataclass default of 16 for in-process callers
+    assert params.max_tokens is None and params.seed is None and params.logprobs is None
+    # so min_tokens past 16 without max_tokens decodes (checked later against max_model_len)
+    msg = engine_pb2.SamplingParams(min_tokens=100)
+    assert convert.from_proto(msg, SamplingParams).min_tokens == 100
 
 
 def test_mismatched_dataclass_is_a_clear_error() -> None:

@@ -9,10 +9,11 @@ import grpc
 import pytest
 
 from gateway.tokenizer import Tokenizer
+from services.config import SecurityConfig
 from services.grpc_utils import check_health, sync_channel
 from services.pb import generate_pb2 as pb
 from services.pb import generate_pb2_grpc as pb_grpc
-from tests.gateway.conftest import ANSWER, Stack
+from tests.gateway.conftest import ANSWER, API_KEY, Stack
 from tests.gateway.fake_engine import MODEL_NAME, FakeEngine
 
 pytestmark = pytest.mark.slow
@@ -21,7 +22,8 @@ HELLO = [pb.ChatMessage(role="user", content="Say hello.")]
 
 @pytest.fixture
 def stub(stack: Stack) -> Iterator[pb_grpc.TextGenerationStub]:
-    with sync_channel(stack.grpc_address) as channel:
+    """A client sending the gateway's API key (`authorization: Bearer` metadata)."""
+    with sync_channel(stack.grpc_address, security=SecurityConfig(token=API_KEY)) as channel:
         yield pb_grpc.TextGenerationStub(channel)
 
 

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import httpx
 
+from services.config import SecurityConfig
+from services.security import TOKEN_ENV
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+INTERNAL_TOKEN = "stack-test-internal-token"  # given to `tessera serve` by TESSERA_INTERNAL_TOKEN
 
 
 @dataclass
@@ -28,6 +31,12 @@ class Stack:
     scheduler_port: int
     worker_port: int
     lines: list[str] = field(default_factory=list)
+    internal_token: str = INTERNAL_TOKEN
+
+    @property
+    def internal(self) -> SecurityConfig:
+        """Credentials of the internal services (EngineCore, Worker)."""
+        return SecurityConfig(token=self.internal_token)
 
     @property
     def base_url(self) -> str:
@@ -90,7 +99,7 @@ def start_stack(*extra: str, timeout_s: float = 300) -> Stack:
         "--scheduler-port", str(ports[2]), "--worker-port", str(ports[3]),
         "--kv-cache-memory", "1GiB", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: INTERNAL_TOKEN}
     process = subprocess.Popen(
         argv, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )

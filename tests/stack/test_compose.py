@@ -102,10 +102,18 @@ def test_ports_and_addresses_agree(compose: dict[str, Any]) -> None:
     assert flag(gateway, "scheduler") == f"scheduler:{flag(scheduler, 'port')}"
     published = {p.split(":")[-1] for p in services["gateway"]["ports"]}
     assert published == {flag(gateway, "port"), flag(gateway, "grpc-port")}
+    assert [n for n, s in services.items() if "ports" in s] == ["gateway"]  # internal: unpublished
     assert "worker" in services["worker"]["networks"]["default"]["aliases"]
     for name, args in zip(RUNNING, (worker, scheduler, gateway), strict=True):
         probe = " ".join(services[name]["healthcheck"]["test"])
         assert f":{flag(args, 'port')}" in probe, (name, probe)
+
+
+def test_every_service_gets_the_internal_token_and_restarts(compose: dict[str, Any]) -> None:
+    assert env_defaults()["TESSERA_INTERNAL_TOKEN"]
+    for name, service in compose["services"].items():
+        assert "TESSERA_INTERNAL_TOKEN" in service["environment"]["TESSERA_INTERNAL_TOKEN"], name
+        assert service["restart"] == "unless-stopped" and service["healthcheck"]["test"], name
 
 
 @pytest.fixture(scope="module")

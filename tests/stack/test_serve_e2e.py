@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -36,7 +37,7 @@ def stack() -> Iterator[Stack]:
 
 
 def scheduler_stats(stack: Stack) -> SchedulerStats:
-    with sync_channel(stack.scheduler_address) as channel:
+    with sync_channel(stack.scheduler_address, security=stack.internal) as channel:
         reply = engine_pb2_grpc.EngineCoreStub(channel).GetStats(engine_pb2.GetStatsRequest())
     return from_proto(reply, SchedulerStats)
 
@@ -167,6 +168,7 @@ def test_node_client_streams_a_chat(stack: Stack) -> None:
     done = subprocess.run(
         ["node", "client.js", "--gateway", stack.gateway_grpc_address, "--scheduler", stack.scheduler_address],
         cwd=client_dir, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "TESSERA_INTERNAL_TOKEN": stack.internal_token},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])

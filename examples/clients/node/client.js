@@ -2,6 +2,11 @@
 // through the gateway's TextGeneration API and prints the scheduler's EngineCore info.
 //
 //   node client.js [--gateway 127.0.0.1:50052] [--scheduler 127.0.0.1:50051] [--prompt "..."]
+//                  [--api-key KEY]
+//
+// The gateway's API key goes as `authorization: Bearer KEY` metadata (--api-key, or the
+// TESSERA_API_KEY variable); the scheduler is internal and takes the internal token from
+// TESSERA_INTERNAL_TOKEN (an environment variable, so `ps` does not show it).
 "use strict";
 
 const path = require("path");
@@ -16,6 +21,7 @@ function parseArgs(argv) {
     scheduler: "127.0.0.1:50051",
     prompt: "What is the capital of France?",
     maxTokens: 32,
+    apiKey: process.env.TESSERA_API_KEY || "",
   };
   for (let i = 0; i < argv.length; i += 2) {
     const key = argv[i].replace(/^--/, "").replace(/-([a-z])/g, (_, c) => c.toUpperCase());
@@ -35,7 +41,13 @@ function loadPackage() {
   return grpc.loadPackageDefinition(definition).tessera.v1;
 }
 
-function streamChat(pkg, address, prompt, maxTokens) {
+function bearer(token) {
+  const metadata = new grpc.Metadata();
+  if (token) metadata.set("authorization", `Bearer ${token}`);
+  return metadata;
+}
+
+function streamChat(pkg, address, prompt, maxTokens, apiKey) {
   const client = new pkg.TextGeneration(address, grpc.credentials.createInsecure());
   const request = {
     messages: [{ role: "user", content: prompt }],
@@ -44,7 +56,7 @@ function streamChat(pkg, address, prompt, maxTokens) {
   return new Promise((resolve, reject) => {
     let text = "";
     let finish = "";
-    const call = client.ChatStream(request);
+    const call = client.ChatStream(request, bearer(apiKey));
     call.on("data", (chunk) => {
       text += chunk.text;
       process.stdout.write(chunk.text);
@@ -62,7 +74,7 @@ function streamChat(pkg, address, prompt, maxTokens) {
 function serverInfo(pkg, address) {
   const client = new pkg.EngineCore(address, grpc.credentials.createInsecure());
   return new Promise((resolve, reject) => {
-    client.GetServerInfo({}, (err, info) => {
+    client.GetServerInfo({}, bearer(process.env.TESSERA_INTERNAL_TOKEN), (err, info) => {
       client.close();
       if (err) reject(err);
       else resolve(info);
@@ -73,7 +85,9 @@ function serverInfo(pkg, address) {
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   const pkg = loadPackage();
-  const { text, finish } = await streamChat(pkg, args.gateway, args.prompt, args.maxTokens);
+  const { text, finish } = await streamChat(
+    pkg, args.gateway, args.prompt, args.maxTokens, args.apiKey
+  );
   const info = await serverInfo(pkg, args.scheduler);
   console.log(JSON.stringify({ answer: text, finish_reason: finish, server_info: info }));
 }
