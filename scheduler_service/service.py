@@ -35,6 +35,7 @@ ENGINE_SWITCH_INTERVAL_S = 0.0002
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
@@ -151,6 +152,9 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             return session.reject(request_id, _INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:
             return session.reject(request_id, _UNAVAILABLE, str(exc))
+        except Exception as exc:  # a bug: answer the caller rather than leave it waiting
+            log.exception("GenerateStream could not add %r", request_id)
+            return session.reject(request_id, _INTERNAL, f"{type(exc).__name__}: {exc}")
         self._sinks[request_id] = session
         session.live.add(request_id)
 
