@@ -1,5 +1,6 @@
 """The two helper processes of the step-overhead benchmark: an instant fake worker behind
-the real Worker gRPC service, and a client holding N concurrent Generate streams."""
+the real Worker gRPC service, and a client holding N concurrent generations (through the
+gateway's EngineClient, or with the legacy one Generate call per request)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from gateway.engine_client import EngineClient
 from services.convert import to_proto
 from services.grpc_utils import aio_channel
 from services.pb import engine_pb2, engine_pb2_grpc, worker_pb2
@@ -106,29 +108,40 @@ def worker_process(conn: Connection, num_blocks: int) -> None:
 # ---- the client process -------------------------------------------------------
 
 
-def client_process(conn: Connection, address: str, num_requests: int, max_tokens: int) -> None:
-    """Hold `num_requests` Generate streams until told to stop; then send the token count."""
+def client_process(
+    conn: Connection, address: str, num_requests: int, max_tokens: int, legacy: bool = False
+) -> None:
+    """Hold `num_requests` generations until told to stop; then send (tokens, updates)."""
 
     async def drive() -> None:
-        counts, messages = [0] * num_requests, [0] * num_requests
-        async with aio_channel(address) as channel:
-            stub = engine_pb2_grpc.EngineCoreStub(channel)
+        counts, updates = [0] * num_requests, [0] * num_requests
 
-            async def stream(i: int) -> None:
-                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-                prompt = [(i * 7 + j) % 50_000 for j in range(PROMPT_LEN)]
-                msg = to_proto(
-                    EngineCoreRequest(f"r{i}", prompt, params), engine_pb2.EngineCoreRequest
-                )
-                async for out in stub.Generate(msg):
+        def request(i: int) -> EngineCoreRequest:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            prompt = [(i * 7 + j) % 50_000 for j in range(PROMPT_LEN)]
+            return EngineCoreRequest(f"r{i}", prompt, params)
+
+        async def generate(client: EngineClient, i: int) -> None:
+            async with client.generate(request(i)) as stream:
+                async for out in stream:
                     counts[i] += len(out.new_token_ids)
-                    messages[i] += 1
+                    updates[i] += 1
 
-            tasks = [asyncio.create_task(stream(i)) for i in range(num_requests)]
-            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        conn.send((sum(counts), sum(messages)))
+        async def legacy_generate(stub: engine_pb2_grpc.EngineCoreStub, i: int) -> None:
+            msg = to_proto(request(i), engine_pb2.EngineCoreRequest)
+            async for out in stub.Generate(msg):
+                counts[i] += len(out.new_token_ids)
+                updates[i] += 1
+
+        client = EngineClient(address)
+        stub = engine_pb2_grpc.EngineCoreStub(aio_channel(address))
+        run = (lambda i: legacy_generate(stub, i)) if legacy else (lambda i: generate(client, i))
+        tasks = [asyncio.create_task(run(i)) for i in range(num_requests)]
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+        conn.send((sum(counts), sum(updates)))
 
     asyncio.run(drive())

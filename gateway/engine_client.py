@@ -1,14 +1,19 @@
 """Async client of the scheduler's `tessera.v1.EngineCore` gRPC service.
 
-`generate()` returns a stream that is also an async context manager: leaving
-the `async with` block early (stop string, client disconnect, task
-cancellation) cancels the gRPC call, which aborts the request in the scheduler.
-gRPC failures surface as `ServiceUnavailable` (engine unreachable) or
-`EngineError`.
+Every request of the gateway rides one multiplexed `GenerateStream` call per
+connection (`_Session`): requests and aborts go up, and each engine step comes
+back as one message carrying the updates of all requests. `generate()`
+returns a stream that is also an async context manager: leaving the
+`async with` block early (stop string, client disconnect, task cancellation)
+sends an abort for that request at once. If the session call breaks, every
+request on it fails and the next `generate()` opens a new session. Failures
+surface as `ServiceUnavailable` (engine unreachable), `InvalidRequest` or
+`EngineError`, with the same mapping as the per-request `Generate` call had.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -30,7 +35,11 @@ RPC_TIMEOUT_S = 5.0  # unary calls (info, stats, abort, health)
 
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> ApiError:
     """The client-facing error for a failed EngineCore call."""
-    code, details = exc.code(), exc.details() or ""
+    return error_from_status(exc.code(), exc.details() or "")
+
+
+def error_from_status(code: grpc.StatusCode, details: str) -> ApiError:
+    """The client-facing error for a gRPC status (a failed call or a session rejection)."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -40,16 +49,30 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> ApiError:
     return EngineError(f"the engine failed: {details}")
 
 
-class EngineStream:
-    """The outputs of one Generate call; cancel it by leaving `async with` or `cancel()`."""
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_Item = EngineCoreOutput | ApiError  # what a stream's queue holds
 
-    def __init__(self, call: Any) -> None:
-        self._call = call
+
+class EngineStream:
+    """The outputs of one request; abort it by leaving `async with` or `cancel()`."""
+
+    def __init__(self, session: _Session, request_id: str) -> None:
+        self._session = session
+        self.request_id = request_id
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.done = False  # finished, failed or cancelled
+
+    def put(self, item: _Item) -> None:
+        """Deliver an update or an error (called by the session's reader)."""
+        if isinstance(item, ApiError) or item.finished:
+            self.done = True
+        self._queue.put_nowait(item)
 
     def cancel(self) -> None:
-        """Cancel the call (the scheduler aborts the request); no-op when it is done."""
-        if not self._call.done():
-            self._call.cancel()
+        """Abort the request in the scheduler; no-op once it is done."""
+        if not self.done:
+            self.done = True
+            self._session.abort(self.request_id)
 
     async def __aenter__(self) -> EngineStream:
         return self
@@ -63,11 +86,73 @@ class EngineStream:
         self.cancel()
 
     async def __aiter__(self) -> AsyncIterator[EngineCoreOutput]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, ApiError):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+class _Session:
+    """One GenerateStream call carrying many requests; broken for good once the call ends."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineCoreStub) -> None:
+        self._outbox: asyncio.Queue[engine_pb2.EngineCoreCommand] = asyncio.Queue()
+        self._streams: dict[str, EngineStream] = {}
+        self.broken = False
+        self._call = stub.GenerateStream(self._commands())
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def submit(self, request: EngineCoreRequest) -> EngineStream:
+        stream = EngineStream(self, request.request_id)
+        self._streams[request.request_id] = stream
+        add = to_proto(request, engine_pb2.EngineCoreRequest)
+        self._outbox.put_nowait(engine_pb2.EngineCoreCommand(add=add))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None and not self.broken:
+            abort = engine_pb2.AbortRequest(request_ids=[request_id])
+            self._outbox.put_nowait(engine_pb2.EngineCoreCommand(abort=abort))
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def _commands(self) -> AsyncIterator[engine_pb2.EngineCoreCommand]:
+        while True:
+            yield await self._outbox.get()
+
+    async def _read(self) -> None:
+        error: ApiError = EngineError("the engine closed the session")
         try:
             async for msg in self._call:
-                yield from_proto(msg, EngineCoreOutput)
+                self._route(msg)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+            error = error_from_rpc(exc)
+        except asyncio.CancelledError:
+            error = ServiceUnavailable("the engine client was closed")
+        finally:
+            self.broken = True
+            streams, self._streams = self._streams, {}
+            for stream in streams.values():
+                stream.put(error)
+
+    def _route(self, msg: engine_pb2.EngineCoreOutputs) -> None:
+        streams = self._streams
+        for rejection in msg.rejections:
+            stream = streams.pop(rejection.request_id, None)
+            if stream is not None:
+                code = _CODES.get(rejection.code, grpc.StatusCode.UNKNOWN)
+                stream.put(error_from_status(code, rejection.message))
+        for out_msg in msg.outputs:
+            stream = streams.get(out_msg.request_id)
+            if stream is not None:
+                output = from_proto(out_msg, EngineCoreOutput)
+                if output.finished:
+                    del streams[output.request_id]
+                stream.put(output)
 
 
 class EngineClient:
@@ -79,13 +164,18 @@ class EngineClient:
         self._stub = engine_pb2_grpc.EngineCoreStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._health_cache: tuple[float, bool] = (0.0, False)
+        self._session: _Session | None = None
 
     async def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
         await self._channel.close()
 
     def generate(self, request: EngineCoreRequest) -> EngineStream:
-        """Submit `request`; iterate the result for its outputs until one is finished."""
-        return EngineStream(self._stub.Generate(to_proto(request, engine_pb2.EngineCoreRequest)))
+        """Submit `request` on the shared session; iterate the result until an update is finished."""
+        if self._session is None or self._session.broken:
+            self._session = _Session(self._stub)
+        return self._session.submit(request)
 
     async def abort(self, request_ids: Sequence[str]) -> int:
         """Abort requests by id; returns how many the scheduler found."""

@@ -56,6 +56,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="schedule each step only after the previous one's output is back "
+        "(default: schedule step n+1 while the workers run step n)",
+    )
+    p.add_argument(
         "--num-blocks",
         type=int,
         default=0,
@@ -86,6 +92,7 @@ def configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=not args.no_chunked_prefill,
         policy=args.policy,
+        async_scheduling=not args.no_async_scheduling,
     )
     cache_config = CacheConfig(
         enable_prefix_caching=not args.no_prefix_caching, num_blocks_override=args.num_blocks

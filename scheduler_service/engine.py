@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from scheduler_service.errors import WorkerLostError, WorkerUnavailableError
 from scheduler_service.kv_cache_manager import cdiv
+from scheduler_service.pipeline import InFlightStep, StepSubmitter, has_work
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from services.config import CacheConfig, SchedulerConfig
@@ -68,6 +69,9 @@ class EngineCore:
         self._pool = ThreadPoolExecutor(len(self.workers)) if len(self.workers) > 1 else None
         self.step_times: deque[float] = deque(maxlen=256)
         self.healthy = True
+        self._submitter = StepSubmitter(self.workers)
+        self._in_flight: InFlightStep | None = None  # async scheduling: the step running now
+        self._last_commit = 0.0
 
     # ---- handshake ------------------------------------------------------------
 
@@ -146,27 +150,56 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests left, or a step in flight whose output must still be collected."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- the step -------------------------------------------------------------
 
     def step(self, on_scheduled: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Run one engine step; returns the updates to publish.
 
-        `on_scheduled` runs after schedule(), just before the workers are called.
+        `on_scheduled` runs after schedule(), when the workers are busy or about to be.
+        With async scheduling the step just scheduled is started on the workers and
+        the outputs returned are those of the step before it (empty on the first).
 
         A step that raises inside a worker errors only that step's requests.
         A worker that cannot be reached fails every request, marks the engine
         unhealthy and raises WorkerLostError carrying those ERROR updates.
         """
+        if self.scheduler_config.async_scheduling:
+            return self._step_async(on_scheduled)
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if on_scheduled is not None:
             on_scheduled()
+        return self._complete(scheduler_output, start, lambda: self._execute(scheduler_output))
+
+    def _step_async(self, on_scheduled: Callable[[], None] | None) -> list[EngineCoreOutput]:
+        """Schedule and start step n+1, then wait for step n and commit it."""
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        step = None
+        if has_work(scheduler_output):
+            step = self._submitter.submit(scheduler_output, start)
+        if on_scheduled is not None:
+            on_scheduled()
+        previous, self._in_flight = self._in_flight, step
+        if previous is None:
+            return []
+        return self._complete(previous.scheduler_output, previous.start, previous.result)
+
+    def _complete(
+        self,
+        scheduler_output: SchedulerOutput,
+        start: float,
+        wait: Callable[[], ModelRunnerOutput],
+    ) -> list[EngineCoreOutput]:
+        """Wait for a step's output and commit it (or fail the step)."""
         try:
-            runner_output = self._execute(scheduler_output)
+            runner_output = wait()
         except WorkerUnavailableError as exc:
             self.healthy = False
+            self._in_flight = None
             log.error("worker unreachable: %s", exc)
             outputs = self.scheduler.fail_step(scheduler_output, str(exc))
             outputs += self.scheduler.fail_all(str(exc))
@@ -175,7 +208,9 @@ class EngineCore:
             log.exception("step %d failed", scheduler_output.step_id)
             return self.scheduler.fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.step_times.append(time.perf_counter() - start)
+        now = time.perf_counter()
+        self.step_times.append(now - max(start, self._last_commit))  # steps overlap when async
+        self._last_commit = now
         return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -215,6 +250,7 @@ class EngineCore:
         """Stop the step thread pool (the workers keep running; they are not ours to stop)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        self._submitter.shutdown()
 
 
 MODALITIES = ("image", "audio", "video")

@@ -3,12 +3,13 @@
 Other threads never touch the engine's state: they post commands (add, abort)
 to an inbox guarded by a condition variable, and the engine thread applies them
 between steps. So an abort takes effect before the next step is scheduled and
-its blocks are free within one step. Outputs leave through `publish`, called on
-the engine thread at most once per step: a step's updates are held until the
-next step has been scheduled and are published just before its worker call, so
-the event loop streams them while the engine thread waits on the worker (the
-GIL is free then) instead of competing with schedule(). With no next step they
-are published at once.
+its blocks are free within one step (with async scheduling, a step already sent
+to the workers may still carry it once; its result is discarded). Outputs leave
+through `publish`, called on the engine thread at most once per step: a step's
+updates are held until the next step has been scheduled and are published as
+the workers get it, so the event loop streams them while the engine thread
+waits on the worker (the GIL is free then) instead of competing with
+schedule(). With no next step they are published at once.
 """
 
 from __future__ import annotations

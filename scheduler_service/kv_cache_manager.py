@@ -59,19 +59,19 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> list[int] | None:
-        """Reserve blocks for `num_new_tokens` more tokens of `request` this step.
+        """Reserve blocks for `num_new_tokens` more tokens of `request` this step
+        (after its computed tokens and those of a step still in flight).
 
         `new_computed_blocks` (admission only) are prefix-cache hits appended to
         the block table first. Returns the ids of newly taken blocks (possibly
         empty), or None — changing nothing — when the pool cannot provide them.
         """
-        fits_in_table = (
-            request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
-        )
+        computed = request.num_computed_tokens + request.num_inflight_tokens  # incl. in flight
+        fits_in_table = computed + num_new_tokens <= len(request.block_ids) * self.block_size
         if new_computed_blocks is None and fits_in_table:  # fast path: a decode token
             return []
         hits = new_computed_blocks or []
-        num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        num_tokens = computed + len(hits) * self.block_size + num_new_tokens
         num_new = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(hits)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
         if max(num_new, 0) + num_revived > self.pool.num_free_blocks:

@@ -48,7 +48,9 @@ class Request:
     """One generation, owned by the scheduler from admission to finish.
 
     Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
-    `num_computed_tokens <= num_tokens` counts tokens whose KV is in the pool;
+    `num_computed_tokens <= num_tokens` counts tokens whose KV is in the pool (committed);
+    the workers are `num_inflight_tokens` ahead and will have sampled
+    `num_output_placeholders` more tokens once the steps in flight are committed;
     `block_ids` is the block table (block i holds tokens [i*B, (i+1)*B));
     `block_hashes[i]` is the prefix hash of full block i (computed lazily).
     """
@@ -65,6 +67,8 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_hashed_blocks",
+        "num_inflight_tokens",
+        "num_output_placeholders",
         "num_prompt_tokens",
         "num_tokens",
         "pending_prompt_logprobs",
@@ -102,6 +106,10 @@ class Request:
         self.mm_inputs: list[MultiModalInput] = list(mm_inputs or ())
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling: tokens scheduled in steps whose output has not been committed,
+        # and how many of those steps will sample a token (not yet known here).
+        self.num_inflight_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1: not yet
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []

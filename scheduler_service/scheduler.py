@@ -9,6 +9,15 @@ recompute: its blocks are freed and it goes back to the front of the queue.
 Progress is committed only in `update_from_output`: `num_computed_tokens`
 sent to the workers is what is in the pool before the step, and a failed
 step (`fail_step`) leaves no phantom progress.
+
+Async scheduling (the engine schedules step n+1 before step n's output is
+back): a request keeps counts of its tokens in flight and of the tokens being
+sampled for it (placeholders). Step n+1 plans from those counts, so a decode
+request is scheduled again at once: the worker appended the token it sampled
+to its own copy, and the slot for it is reserved here. A request that turns
+out finished at step n has its step n+1 result discarded (it is gone from
+`requests`) and is dropped from the workers the step after. Prefix hashes
+cover committed tokens only.
 """
 
 from __future__ import annotations
@@ -95,6 +104,10 @@ class Scheduler:
         self._step_id += 1
         output = plan.to_output(self._step_id, self._finished_ids, self._preempted_ids)
         self._finished_ids, self._preempted_ids = [], []
+        for request in plan.new:
+            _reserve(request, plan.num_scheduled[request.request_id])
+        for request, _ in plan.cached:
+            _reserve(request, plan.num_scheduled[request.request_id])
         self._known.update(r.request_id for r in plan.new)
         return output
 
@@ -104,7 +117,15 @@ class Scheduler:
                 break
             if request.status is not _RUNNING:
                 continue  # preempted earlier in this loop
-            num_remaining = request.num_tokens - request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and request.num_output_tokens + placeholders >= request.max_tokens:
+                continue  # its last token is being sampled in the step in flight
+            num_remaining = (
+                request.num_tokens
+                + placeholders
+                - request.num_computed_tokens
+                - request.num_inflight_tokens
+            )
             num_new = 1 if num_remaining == 1 else self._chunk_size(num_remaining, plan)  # decode
             if num_new == 0:
                 continue
@@ -133,6 +154,7 @@ class Scheduler:
         plan.preempted.append(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = request.num_output_placeholders = 0  # its result is dropped
         request.status = RequestStatus.PREEMPTED
         self.waiting.prepend(request)
         self.num_preemptions += 1
@@ -193,7 +215,9 @@ class Scheduler:
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
-                continue  # aborted since the step was scheduled
+                continue  # finished, aborted or preempted since the step was scheduled
+            if request.num_inflight_tokens < num_tokens:
+                continue  # preempted and scheduled afresh since: this result is stale
             if errors and request_id in errors:
                 outputs.append(self._fail(request, errors[request_id]))
                 continue
@@ -206,11 +230,13 @@ class Scheduler:
     def _commit(
         self, request: Request, num_tokens: int, sampled: SampledTokens | None
     ) -> EngineCoreOutput | None:
+        request.num_inflight_tokens -= num_tokens
         request.num_computed_tokens += num_tokens
         if request.num_computed_tokens // self.block_size > request.num_hashed_blocks:
             self.kv.cache_computed_blocks(request)
         if request.num_computed_tokens < request.num_tokens:
             return None  # inside a prefill: a token sampled here is discarded
+        request.num_output_placeholders -= 1
         if sampled is None or not sampled.token_ids:
             return self._fail(request, "the worker returned no token for a completed prefill")
         new_token_ids, status = self._append_until_stop(request, sampled.token_ids)
@@ -330,3 +356,11 @@ class Scheduler:
             queue_time_p50=statistics.median(list(self.queue_times) or [0.0]),
             num_finished=self.num_finished,
         )
+
+
+def _reserve(request: Request, num_tokens: int) -> None:
+    """Count a scheduled step as in flight; one that reaches the end will sample a token."""
+    request.num_inflight_tokens += num_tokens
+    computed = request.num_computed_tokens + request.num_inflight_tokens
+    if computed >= request.num_tokens + request.num_output_placeholders:
+        request.num_output_placeholders += 1

@@ -14,6 +14,7 @@ import grpc
 from scheduler_service.engine import EngineCore
 from scheduler_service.engine_loop import EngineLoop
 from scheduler_service.output_stream import OutputStream
+from scheduler_service.session import Session
 from services.convert import from_proto, to_proto
 from services.grpc_utils import GrpcServer, Registration, check_health
 from services.log import request_id_var
@@ -30,21 +31,28 @@ log = logging.getLogger(__name__)
 # shows the effect.
 ENGINE_SWITCH_INTERVAL_S = 0.0002
 
+# Status codes of GenerateStream rejections, as numbers (RequestRejection.code).
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+
 
 class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
-    """Streams each request's updates from the engine thread to its Generate call.
+    """Streams each request's updates from the engine thread to its caller.
 
     The engine thread hands each step's outputs to the event loop with one
-    `call_soon_threadsafe`; they are routed to per-request OutputStreams,
-    which merge updates that pile up while a stream is behind.
-    A Generate call that ends before its request finished (the caller
-    cancelled or went away) aborts the request, which frees its blocks.
+    `call_soon_threadsafe`; they are routed by request id to a sink: the
+    OutputStream of a Generate call, or the Session of a GenerateStream call
+    (one message per step for all of its requests). A call that ends before
+    its requests finished (the caller cancelled or went away) aborts them,
+    which frees their blocks.
     """
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.loop = EngineLoop(engine, self._publish, self._health_changed)
-        self._streams: dict[str, OutputStream] = {}
+        self._sinks: dict[str, OutputStream | Session] = {}
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self.on_health_change: Callable[[], None] | None = None  # set by EngineCoreServer
         self.workers_answer = True  # last worker probe result, set by EngineCoreServer
@@ -53,6 +61,10 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
         self._aio_loop = asyncio.get_running_loop()
         self.loop.start()
 
+    @property
+    def serving(self) -> bool:
+        return self.loop.healthy and self.workers_answer
+
     # ---- from the engine thread -----------------------------------------------
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
@@ -60,10 +72,13 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             self._aio_loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        sinks = self._sinks
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                stream.put(output)
+            sink = sinks.get(output.request_id)
+            if sink is not None:
+                sink.put(output)
+                if output.finished and type(sink) is Session:
+                    del sinks[output.request_id]
 
     def _health_changed(self) -> None:
         if self._aio_loop is not None and self.on_health_change is not None:
@@ -76,14 +91,12 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
     ) -> AsyncIterator[engine_pb2.EngineCoreOutput]:
         req = request_from_proto(request)  # ValueError -> INVALID_ARGUMENT
         request_id_var.set(req.request_id)
-        if not req.request_id:
-            raise ValueError("request_id must not be empty")
-        if req.request_id in self._streams:
+        if req.request_id in self._sinks:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "request_id already in flight")
-        if not (self.loop.healthy and self.workers_answer):
+        if not self.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not serving")
         stream = OutputStream(asyncio.get_running_loop())
-        self._streams[req.request_id] = stream
+        self._sinks[req.request_id] = stream
         finished = False
         try:
             try:
@@ -95,9 +108,65 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
                     finished = output.finished
                     yield to_proto(output, engine_pb2.EngineCoreOutput)
         finally:
-            del self._streams[req.request_id]
+            if self._sinks.get(req.request_id) is stream:
+                del self._sinks[req.request_id]
             if not finished:  # cancelled or the caller went away
                 self.loop.abort([req.request_id])
+
+    async def GenerateStream(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.EngineCoreOutputs]:
+        session = Session(asyncio.get_running_loop())
+        reader = asyncio.create_task(self._read_commands(request_iterator, session))
+        try:
+            while (msg := await session.get()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            self._abort_in_session(session, list(session.live))  # the call broke: free them all
+
+    async def _read_commands(self, commands: AsyncIterator[Any], session: Session) -> None:
+        try:
+            async for command in commands:
+                if command.WhichOneof("command") == "add":
+                    self._add_to_session(command.add, session)
+                else:
+                    self._abort_in_session(session, command.abort.request_ids)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass  # the call ended; GenerateStream's cleanup aborts what is left
+        finally:
+            session.input_done = True
+            session.wake()
+
+    def _add_to_session(self, msg: engine_pb2.EngineCoreRequest, session: Session) -> None:
+        """Queue one request of a session, or queue its rejection with Generate's status."""
+        request_id = msg.request_id
+        try:
+            req = request_from_proto(msg)
+            if req.request_id in self._sinks:
+                return session.reject(request_id, _ALREADY_EXISTS, "request_id already in flight")
+            if not self.serving:
+                return session.reject(request_id, _UNAVAILABLE, "engine is not serving")
+            self.loop.submit(req)  # outputs are dispatched on this thread, after this returns
+        except ValueError as exc:
+            return session.reject(request_id, _INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            return session.reject(request_id, _UNAVAILABLE, str(exc))
+        except Exception as exc:  # a bug: answer the caller rather than leave it waiting
+            log.exception("GenerateStream could not add %r", request_id)
+            return session.reject(request_id, _INTERNAL, f"{type(exc).__name__}: {exc}")
+        self._sinks[request_id] = session
+        session.live.add(request_id)
+
+    def _abort_in_session(self, session: Session, request_ids: Sequence[str]) -> None:
+        """Abort the session's requests among `request_ids`; their updates stop at once."""
+        ids = [i for i in request_ids if i in session.live]
+        for request_id in ids:
+            session.live.discard(request_id)
+            if self._sinks.get(request_id) is session:
+                del self._sinks[request_id]
+        if ids:
+            self.loop.abort(ids)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         num_aborted = await asyncio.wrap_future(self.loop.abort(list(request.request_ids)))
@@ -108,14 +177,16 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         stats = self.engine.stats()
-        stats.healthy = self.loop.healthy and self.workers_answer
+        stats.healthy = self.serving
         return to_proto(stats, engine_pb2.SchedulerStats)
 
 
 def request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineCoreRequest:
-    """`from_proto`, plus engine.proto's rule that an unset max_tokens means up to max_model_len
-    (the SamplingParams dataclass defaults to 16 for in-process callers)."""
+    """`from_proto`, plus a non-empty request_id and engine.proto's rule that an unset
+    max_tokens means up to max_model_len (SamplingParams defaults to 16 in process)."""
     req = from_proto(msg, EngineCoreRequest)
+    if not req.request_id:
+        raise ValueError("request_id must not be empty")
     if not msg.sampling_params.HasField("max_tokens"):
         params = dataclasses.replace(req.sampling_params, max_tokens=None)
         req = dataclasses.replace(req, sampling_params=params)
@@ -178,7 +249,7 @@ class EngineCoreServer:
 
     @property
     def serving(self) -> bool:
-        return self.servicer.loop.healthy and self.servicer.workers_answer
+        return self.servicer.serving
 
     async def refresh_health(self) -> None:
         await self.grpc.set_serving(self.serving)

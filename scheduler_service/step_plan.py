@@ -51,7 +51,7 @@ class StepPlan:
             step_id=step_id,
             scheduled_new_reqs=[self._new_data(r) for r in self.new],
             scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, ids, r.num_computed_tokens)
+                CachedRequestData(r.request_id, ids, r.num_computed_tokens + r.num_inflight_tokens)
                 for r, ids in self.cached
             ],
             num_scheduled_tokens=self.num_scheduled,

@@ -7,7 +7,8 @@ from typing import Any
 import grpc
 
 from scheduler_service.errors import WorkerUnavailableError
-from services.convert import from_proto, to_proto
+from scheduler_service.worker_stream import StepStream, StreamStep
+from services.convert import from_proto
 from services.grpc_utils import check_health, sync_channel
 from services.pb import worker_pb2, worker_pb2_grpc
 from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, SchedulerOutput
@@ -21,8 +22,11 @@ _TRANSPORT_CODES = frozenset(
 class GrpcWorkerClient:
     """Blocking client of one worker rank; implements services.worker_api.WorkerProtocol.
 
-    Transport failures and timeouts raise WorkerUnavailableError; a failure the
-    worker reports (any other status) raises RuntimeError with its message.
+    Steps ride one long-lived ExecuteModelStream call (`submit_model` starts a
+    step without waiting; `execute_model` waits for it). Transport failures and
+    timeouts raise WorkerUnavailableError; a failure the worker reports (any
+    other status, or a failed step on the stream) raises RuntimeError with its
+    message.
     """
 
     def __init__(
@@ -33,16 +37,20 @@ class GrpcWorkerClient:
         self.rpc_timeout_s = rpc_timeout_s
         self._channel = sync_channel(address)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._stream: StepStream | None = None
 
     def _call(self, method: Any, request: Any, timeout_s: float) -> Any:
         try:
             return method(request, timeout=timeout_s)
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()
-            message = f"worker {self.address}: {code.name}: {details}"
-            if code in _TRANSPORT_CODES:
-                raise WorkerUnavailableError(message) from exc
-            raise RuntimeError(message) from exc
+            raise self._error_of(exc) from exc
+
+    def _error_of(self, exc: grpc.RpcError) -> Exception:
+        code, details = exc.code(), exc.details()
+        message = f"worker {self.address}: {code.name}: {details}"
+        if code in _TRANSPORT_CODES:
+            return WorkerUnavailableError(message)
+        return RuntimeError(message)
 
     def get_model_info(self) -> ModelInfo:
         reply = self._call(
@@ -69,10 +77,16 @@ class GrpcWorkerClient:
         reply = self._call(self._stub.InitializeCache, request, self.rpc_timeout_s)
         return int(reply.allocated_bytes)
 
+    def submit_model(self, scheduler_output: SchedulerOutput) -> StreamStep:
+        """Send a step on the stream (opened on first use, reopened after a failure)."""
+        if self._stream is None or self._stream.broken:
+            self._stream = StepStream(
+                self._stub.ExecuteModelStream, self.address, self.step_timeout_s, self._error_of
+            )
+        return self._stream.submit(scheduler_output)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        request = to_proto(scheduler_output, worker_pb2.SchedulerOutput)
-        reply = self._call(self._stub.ExecuteModel, request, self.step_timeout_s)
-        return from_proto(reply, ModelRunnerOutput)
+        return self.submit_model(scheduler_output).result()
 
     def shutdown(self) -> None:
         self._call(self._stub.Shutdown, worker_pb2.ShutdownRequest(), self.rpc_timeout_s)
@@ -82,4 +96,6 @@ class GrpcWorkerClient:
         return check_health(self.address, timeout_s=timeout_s)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._channel.close()

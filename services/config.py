@@ -119,6 +119,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # "fcfs" serves in arrival order; "priority" by (priority, arrival).
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # Schedule step n+1 while the workers run step n (vLLM's async scheduling): the worker
+    # never waits for the scheduler; off runs schedule -> execute -> update in turn.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")

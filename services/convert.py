@@ -52,6 +52,12 @@ def to_proto(obj: Any, message_cls: type[M]) -> M:
     return msg
 
 
+def fill_proto(msg: M, obj: Any) -> M:
+    """Fill an existing message (e.g. `repeated.add()`, which avoids a copy) from `obj`."""
+    _encoder(type(obj), type(msg))(msg, obj)
+    return msg
+
+
 def from_proto(msg: Message, cls: type[T]) -> T:
     """Build a domain dataclass `cls` from a message with the same field names."""
     return _decoder(cls, type(msg))(msg)

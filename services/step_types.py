@@ -83,6 +83,7 @@ class ModelRunnerOutput:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     timings: WorkerTimings = field(default_factory=WorkerTimings)
     request_errors: dict[str, str] = field(default_factory=dict)
+    error: str = ""  # the whole step failed (stream form only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ from services.step_types import SchedulerOutput
 from services.worker_api import WorkerProtocol
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -47,6 +49,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def ExecuteModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         output = await self._run(self.worker.execute_model, from_proto(request, SchedulerOutput))
+        return to_proto(output, worker_pb2.ModelRunnerOutput)
+
+    async def ExecuteModelStream(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async for request in request_iterator:
+            yield await self._run(self._execute_proto, request)
+
+    def _execute_proto(self, request: worker_pb2.SchedulerOutput) -> worker_pb2.ModelRunnerOutput:
+        """One step of the stream, on the model thread; a failed step is a reply with `error`."""
+        try:
+            output = self.worker.execute_model(from_proto(request, SchedulerOutput))
+        except Exception as exc:
+            log.exception("step %d failed", request.step_id)
+            return worker_pb2.ModelRunnerOutput(
+                step_id=request.step_id, error=f"{type(exc).__name__}: {exc}"
+            )
         return to_proto(output, worker_pb2.ModelRunnerOutput)
 
     async def Shutdown(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

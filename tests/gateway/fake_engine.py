@@ -1,8 +1,11 @@
 """A test double of the scheduler's EngineCore, served over real gRPC.
 
 Generate streams the token ids of a fixed answer (tokenized with the real
-tokenizer), one token per update, then EOS. It records every request it got,
-when each call ended by cancellation, and every Abort RPC.
+tokenizer), one token per update, then EOS. GenerateStream does the same for
+every request of a session, each update in its own EngineCoreOutputs message.
+It records every request it got, when each request ended by cancellation (a
+cancelled Generate call, an abort command, or a broken session), and every
+Abort RPC.
 """
 
 from __future__ import annotations
@@ -55,6 +58,47 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
                 yield to_proto(out, engine_pb2.EngineCoreOutput)
         finally:
             if not finished:  # cancelled mid-await (CancelledError) or mid-yield (GeneratorExit)
+                self.cancelled_at[req.request_id] = time.monotonic()
+
+    async def GenerateStream(self, request_iterator: Any, context: Any) -> Any:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task[None]] = {}
+        reader = asyncio.create_task(self._read_commands(request_iterator, queue, tasks))
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            reader.cancel()
+            for task in tasks.values():
+                task.cancel()
+
+    async def _read_commands(
+        self, commands: Any, queue: asyncio.Queue[Any], tasks: dict[str, asyncio.Task[None]]
+    ) -> None:
+        async for command in commands:
+            if command.WhichOneof("command") == "add":
+                req = from_proto(command.add, EngineCoreRequest)
+                tasks[req.request_id] = asyncio.create_task(self._run(req, queue))
+            else:
+                for request_id in command.abort.request_ids:
+                    if request_id in tasks:
+                        tasks[request_id].cancel()
+
+    async def _run(self, req: EngineCoreRequest, queue: asyncio.Queue[Any]) -> None:
+        """One request of a session: its updates onto the session's queue."""
+        self.requests.append(req)
+        self.started[req.request_id] = time.monotonic()
+        finished = False
+        try:
+            for out in self._outputs(req):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                finished = out.finished
+                msg = engine_pb2.EngineCoreOutputs()
+                msg.outputs.append(to_proto(out, engine_pb2.EngineCoreOutput))
+                queue.put_nowait(msg)
+        finally:
+            if not finished:  # aborted, or the session broke
                 self.cancelled_at[req.request_id] = time.monotonic()
 
     def _outputs(self, req: EngineCoreRequest) -> Any:

@@ -70,6 +70,7 @@ class FakeWorker:
         self.requests: dict[str, _ReqState] = {}
         self.steps: list[SchedulerOutput] = []
         self.fail_requests: dict[str, str] = {}  # request id -> error, reported per request
+        self.errored: set[str] = set()  # dropped after a request error, as the real runner does
         self.raise_on_step: Callable[[SchedulerOutput], None] | None = None
         self.step_started = threading.Event()
 
@@ -112,8 +113,11 @@ class FakeWorker:
         self._apply_request_changes(scheduler_output)
         output = ModelRunnerOutput(step_id=scheduler_output.step_id)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            if request_id in self.fail_requests:
-                output.request_errors[request_id] = self.fail_requests[request_id]
+            if request_id in self.fail_requests or request_id in self.errored:
+                error = self.fail_requests.get(request_id, "dropped after an error")
+                output.request_errors[request_id] = error
+                self.requests.pop(request_id, None)
+                self.errored.add(request_id)  # a step sent ahead may still name it
                 continue
             output.req_ids.append(request_id)
             output.sampled.append(self._compute(request_id, num_tokens))
@@ -128,6 +132,8 @@ class FakeWorker:
                 tokens, list(new.block_ids), new.num_computed_tokens
             )
         for cached in so.scheduled_cached_reqs:
+            if cached.request_id in self.errored:
+                continue
             state = self.requests.get(cached.request_id)
             _check(state is not None, f"delta for unknown request {cached.request_id}")
             assert state is not None

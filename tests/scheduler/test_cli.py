@@ -24,7 +24,8 @@ def test_help_lists_the_flags() -> None:
         timeout=60,
     )
     assert result.returncode == 0
-    for flag in ("--worker", "--port", "--max-num-seqs", "--policy", "--no-prefix-caching"):
+    flags = ("--worker", "--port", "--max-num-seqs", "--policy", "--no-prefix-caching")
+    for flag in (*flags, "--no-async-scheduling"):
         assert flag in result.stdout
 
 

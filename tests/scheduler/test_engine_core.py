@@ -12,9 +12,13 @@ from services.types import EngineCoreRequest, FinishReason, SamplingParams
 from tests.scheduler.fake_worker import FakeWorker
 
 
-def make_engine(*workers: FakeWorker, num_blocks_override: int = 0) -> EngineCore:
+def make_engine(
+    *workers: FakeWorker, num_blocks_override: int = 0, async_scheduling: bool = True
+) -> EngineCore:
     return EngineCore(
-        SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+        SchedulerConfig(
+            max_num_batched_tokens=32, max_num_seqs=8, async_scheduling=async_scheduling
+        ),
         CacheConfig(num_blocks_override=num_blocks_override),
         list(workers),
     )
@@ -77,9 +81,12 @@ def test_requests_that_can_never_fit_are_refused(
     assert not engine.has_unfinished_requests()
 
 
-def test_a_step_that_raises_errors_its_requests_and_the_engine_goes_on() -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_step_that_raises_errors_its_requests_and_the_engine_goes_on(
+    async_scheduling: bool,
+) -> None:
     worker = FakeWorker()
-    engine = make_engine(worker)
+    engine = make_engine(worker, async_scheduling=async_scheduling)
     engine.add_request(req("a", [1, 2, 3]))
 
     def explode(so: SchedulerOutput) -> None:
@@ -96,14 +103,20 @@ def test_a_step_that_raises_errors_its_requests_and_the_engine_goes_on() -> None
     assert engine.healthy and engine.stats().num_blocks_used == 0
     engine.add_request(req("b", [7]))
     assert run(engine)["b"] == ([8, 9, 10, 11], FinishReason.LENGTH, "")
-    assert worker.steps[2].finished_req_ids == ["a"]  # the worker hears of it next step
+    # The worker hears of it in the next step scheduled after the failure was known
+    # (async: step 3 had been sent already, while step 2 ran).
+    assert worker.steps[3 if async_scheduling else 2].finished_req_ids == ["a"]
 
 
-def test_an_unreachable_worker_fails_everything_and_marks_the_engine_unhealthy() -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_an_unreachable_worker_fails_everything_and_marks_the_engine_unhealthy(
+    async_scheduling: bool,
+) -> None:
     worker = FakeWorker()
-    engine = EngineCore(
-        SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=1), CacheConfig(), [worker]
+    config = SchedulerConfig(
+        max_num_batched_tokens=32, max_num_seqs=1, async_scheduling=async_scheduling
     )
+    engine = EngineCore(config, CacheConfig(), [worker])
     engine.add_request(req("running", [1, 2]))
     engine.add_request(req("waiting", [3, 4]))
 
@@ -113,15 +126,17 @@ def test_an_unreachable_worker_fails_everything_and_marks_the_engine_unhealthy()
     worker.raise_on_step = unreachable
     with pytest.raises(WorkerLostError) as excinfo:
         engine.step()
+        engine.step()  # async: the first call only started the step
     finals = {o.request_id: (o.finish_reason, o.error) for o in excinfo.value.outputs}
     assert set(finals) == {"running", "waiting"}
     assert all(reason == FinishReason.ERROR and "UNAVAILABLE" in e for reason, e in finals.values())
     assert not engine.healthy and not engine.stats().healthy
-    assert engine.stats().num_blocks_used == 0
+    assert engine.stats().num_blocks_used == 0 and not engine.has_unfinished_requests()
 
 
-def test_stats_count_steps_prefix_hits_and_finishes() -> None:
-    engine = make_engine(FakeWorker())
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_stats_count_steps_prefix_hits_and_finishes(async_scheduling: bool) -> None:
+    engine = make_engine(FakeWorker(), async_scheduling=async_scheduling)
     system = list(range(100, 116))
     engine.add_request(req("a", [*system, 1]))
     run(engine)

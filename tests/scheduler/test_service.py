@@ -133,7 +133,8 @@ def test_cancelling_a_stream_frees_its_blocks_within_one_step() -> None:
             call.cancel()
             await eventually(lambda: _blocks_only_of(s, "other"))
             after = worker.steps[steps_at_cancel:]
-            assert sum("victim" in so.num_scheduled_tokens for so in after) <= 1
+            # At most the steps already scheduled: one running (sync) plus one sent ahead (async).
+            assert sum("victim" in so.num_scheduled_tokens for so in after) <= 2
             await eventually(lambda: _told_worker(worker, "victim", steps_at_cancel))
             await eventually(lambda: _dropped(worker, "victim"))
             tokens, _ = await other
