@@ -129,6 +129,7 @@ CASES: list[Any] = [
         prompt_logprobs=[PromptLogprobs(request_id="a", start=1, logprobs=[LOGPROBS])],
         timings=WorkerTimings(prepare_ms=0.5, forward_ms=10.25, sample_ms=0.75, total_ms=11.5),
         request_errors={"e": "bad logit_bias"},
+        error="step failed",
     ),
     ModelInfo(
         model_name="m",
