@@ -126,6 +126,7 @@ def _calls_schema(plan: ToolPlan) -> dict[str, Any]:
                 "parameters": t.function.parameters or ANY_OBJECT,
             },
             "required": ["name", "parameters"],
+            "additionalProperties": False,  # else the model may add keys that never end
         }
         for t in plan.tools
     ]
