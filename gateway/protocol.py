@@ -145,7 +145,7 @@ class ToolCall(Strict):
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # a participant's name: informational, the template has no slot
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
     refusal: str | None = None  # echoed back by clients that resend an assistant message

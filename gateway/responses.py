@@ -84,9 +84,8 @@ def chat_response(
     choices = [
         {
             "index": c.index,
-            "message": chat_message(c, plan),
+            **chat_message(c, plan),
             "logprobs": chat_logprobs(tok, c.logprobs) if with_logprobs else None,
-            "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
         for c in collector.ordered()
@@ -102,18 +101,17 @@ def chat_response(
 
 
 def chat_message(choice: ChoiceResult, plan: ToolPlan | None) -> dict[str, Any]:
-    """The assistant message of one choice: its text, or its parsed tool calls.
+    """{"message", "finish_reason"} of one choice: its text, or its parsed tool calls.
 
     A choice that called tools and ended normally finishes with "tool_calls".
     """
-    if plan is None:
-        return {"role": "assistant", "content": choice.text}
-    content, calls = plan.parse(choice.text)
+    content, calls = plan.parse(choice.text) if plan else (choice.text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if not calls:
-        return {"role": "assistant", "content": content}
-    if choice.finish_reason == "stop":
-        choice.finish_reason = "tool_calls"
-    return {"role": "assistant", "content": content, "tool_calls": [c.body() for c in calls]}
+        return {"message": message, "finish_reason": choice.finish_reason}
+    message["tool_calls"] = [c.body() for c in calls]
+    finish = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+    return {"message": message, "finish_reason": finish}
 
 
 def chat_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
