@@ -12,9 +12,11 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from gateway import schemas
 from gateway.tokenizer import Tokenizer
 from gateway.tools import ToolPlan, ToolStream, _partial_tag
 from tests.gateway.conftest import API_KEY, Stack
@@ -246,3 +248,19 @@ def test_partial_tag_holds_back_only_a_possible_tag_start() -> None:
     assert _partial_tag("hello <") == 1
     assert _partial_tag("hello") == 0
     assert _partial_tag("a < b") == 0
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tool_answers_match_the_declared_response_models(
+    stack: Stack, answer: Any, choice: str
+) -> None:
+    answer(HERMES if choice == "auto" else '[{"name": "get_time", "parameters": {}}]')
+    body = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": choice}
+    url, auth = f"{stack.base_url}/v1/chat/completions", {"Authorization": f"Bearer {API_KEY}"}
+    reply = schemas.ChatCompletion.model_validate(httpx.post(url, json=body, headers=auth).json())
+    assert reply.choices[0].message.tool_calls
+    events = httpx.post(url, json={**body, "stream": True}, headers=auth).text.splitlines()
+    data = [line[6:] for line in events if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [schemas.ChatCompletionChunk.model_validate_json(d) for d in data[:-1]]
+    assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
