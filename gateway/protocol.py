@@ -10,7 +10,7 @@ rather than silently dropped; a field sent as JSON null counts as absent.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -25,7 +25,8 @@ MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 64  # prompts in one completions request
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-ROLES = ("system", "user", "assistant", "developer", "tool")
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+ROLES: tuple[str, ...] = get_args(Role)
 
 M = TypeVar("M", bound=BaseModel)
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -143,7 +144,7 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None  # a participant's name: informational, the template has no slot
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
