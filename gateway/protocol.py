@@ -10,6 +10,7 @@ rather than silently dropped; a field sent as JSON null counts as absent.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -300,13 +301,20 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
 def invalid_request(exc: ValidationError) -> InvalidRequest:
     """The most specific error of `exc` (its deepest field) as OpenAI's 400."""
     errors = exc.errors(include_url=False)
-    error = max(errors, key=lambda e: len(_path_parts(e)))
+    per_branch = Counter(_branch(e["loc"]) for e in errors)  # fewer: the closer union member
+    error = max(errors, key=lambda e: (len(_path_parts(e)), -per_branch[_branch(e["loc"])]))
     path = "".join(_path_parts(error)).lstrip(".")
     message = _message(error)
     if not path:  # a cross-field check names its field first: "'top_logprobs' requires..."
         named = re.match(r"'([\w.\[\]]+)'", message)
         return InvalidRequest(message, named.group(1) if named else None)
     return InvalidRequest(f"'{path}' {message}", path)
+
+
+def _branch(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """The location up to its last union-member tag (the member the error belongs to)."""
+    tags = [i for i, p in enumerate(loc) if not isinstance(p, int) and p not in _names()]
+    return loc[: tags[-1] + 1] if tags else ()
 
 
 def _path_parts(error: Any) -> list[str]:
