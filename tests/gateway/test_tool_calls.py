@@ -264,3 +264,18 @@ def test_tool_answers_match_the_declared_response_models(
     assert data[-1] == "[DONE]"
     chunks = [schemas.ChatCompletionChunk.model_validate_json(d) for d in data[:-1]]
     assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+
+
+def test_every_choice_of_n_streams_its_own_calls(client: Any, answer: Any) -> None:
+    answer(HERMES)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=[WEATHER, TIME], n=2, stream=True
+    )
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    finish: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls[choice.index] += [d.function.name for d in choice.delta.tool_calls or [] if d.id]
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index, "")
+    assert calls == {0: ["get_weather", "get_time"], 1: ["get_weather", "get_time"]}
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
