@@ -18,7 +18,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from gateway.constraints import checked
 from gateway.errors import InvalidRequest
@@ -55,9 +55,9 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How one request uses its tools: mode "auto", "required" or "named"."""
+    """How one request uses its tools."""
 
-    mode: str
+    mode: Literal["auto", "required", "named"]
     tools: tuple[Tool, ...]
     function: str | None = None  # the named function
     parallel: bool = True
@@ -68,6 +68,7 @@ class ToolPlan:
             assert self.function is not None
             return None, [_call(self.function, text)]
         calls = _required_calls(text) if self.mode == "required" else _hermes_calls(text)
+        calls = calls if self.parallel else calls[:1]  # parallel_tool_calls=false: one call
         if not calls:
             return text, []
         content = "" if self.mode == "required" else text.split(OPEN_TAG, 1)[0]
@@ -82,7 +83,9 @@ def plan_for(req: ChatCompletionRequest) -> ToolPlan | None:
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         return ToolPlan("named", tuple(req.tools), choice.function.name, parallel)
-    return ToolPlan(str(choice), tuple(req.tools), None, parallel)
+    return ToolPlan(
+        "required" if choice == "required" else "auto", tuple(req.tools), None, parallel
+    )
 
 
 def chat_options(req: ChatCompletionRequest) -> TextOptions:

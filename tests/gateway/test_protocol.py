@@ -111,6 +111,10 @@ def test_hermes_parse_keeps_text_before_the_calls_and_skips_broken_ones() -> Non
     unterminated = '<tool_call>\n{"name": "b", "arguments": {}}'  # EOS before the closing tag
     assert [c.name for c in plan.parse(unterminated)[1]] == ["b"]
     assert plan.parse("plain text") == ("plain text", [])
+    single = tools.ToolPlan("auto", (), parallel=False)  # parallel_tool_calls=false
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [c.name for c in single.parse(two)[1]] == ["a"]
+    assert [c.name for c in plan.parse(two)[1]] == ["a", "b"]
 
 
 def test_chat_turns_render_tools_hermes_style() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -219,7 +219,7 @@ def test_tool_turns_are_rendered_in_the_next_request(
 
 
 @pytest.mark.parametrize("mode", ["auto", "required"])
-def test_tool_stream_concatenates_to_the_parse(mode: str) -> None:
+def test_tool_stream_concatenates_to_the_parse(mode: Literal["auto", "required"]) -> None:
     text = (
         HERMES
         if mode == "auto"
