@@ -113,13 +113,16 @@ def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
 
 # _BYTE_BITS[b, j]: bit j of byte b, so a bitmask viewed as bytes unpacks with one gather.
 _BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
+_BYTE_BITS_ON: dict[torch.device, torch.Tensor] = {}  # copies on accelerators
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf on logits [B, V] where rows' bitmask [n, ceil(V/32)] int32 has a 0 bit
     (bit j of word w is token 32 w + j, little-endian as llguidance writes it)."""
     n, vocab = bitmask.shape[0], logits.shape[1]
-    table = _BYTE_BITS if logits.device.type == "cpu" else _BYTE_BITS.to(logits.device)
+    table = _BYTE_BITS if logits.device.type == "cpu" else _BYTE_BITS_ON.get(logits.device)
+    if table is None:
+        table = _BYTE_BITS_ON[logits.device] = _BYTE_BITS.to(logits.device)
     allowed = table[bitmask.view(torch.uint8).long()].view(n, -1)[:, :vocab]  # [n, V]
     if n == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
