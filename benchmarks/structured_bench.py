@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bench.decode(False)
     times: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
     for _ in range(args.repeats):
-        times["unconstrained"].append(bench.decode(False))
-        times["json_schema"].append(bench.decode(True))
+        for mode, constrained in (("unconstrained", False), ("json_schema", True)):
+            times[mode].append(bench.decode(constrained))
+            print(f"{mode}: {times[mode][-1]:.2f} s", flush=True)
     tok_s = {k: args.batch * args.steps / statistics.median(v) for k, v in times.items()}
     results = {
         "dtype": args.dtype,
