@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -120,14 +121,25 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
     """-inf on logits [B, V] where rows' bitmask [n, ceil(V/32)] int32 has a 0 bit
     (bit j of word w is token 32 w + j, little-endian as llguidance writes it)."""
     n, vocab = bitmask.shape[0], logits.shape[1]
-    table = _BYTE_BITS if logits.device.type == "cpu" else _BYTE_BITS_ON.get(logits.device)
-    if table is None:
-        table = _BYTE_BITS_ON[logits.device] = _BYTE_BITS.to(logits.device)
-    allowed = table[bitmask.view(torch.uint8).long()].view(n, -1)[:, :vocab]  # [n, V]
+    allowed = _unpack_bits(bitmask, logits.device)[:, :vocab]  # [n, V] bool
     if n == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _unpack_bits(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[n, W] int32 -> [n, 32 W] bool. On CPU numpy's unpackbits (2-4x faster here than a
+    torch gather); elsewhere one gather through a byte -> 8 bits table on the device."""
+    if device.type == "cpu":
+        as_bytes = bitmask.numpy().view(np.uint8)  # [n, 4 W], little-endian words
+        return torch.from_numpy(np.unpackbits(as_bytes, axis=-1, bitorder="little")).view(
+            torch.bool
+        )
+    table = _BYTE_BITS_ON.get(device)
+    if table is None:
+        table = _BYTE_BITS_ON[device] = _BYTE_BITS.to(device)
+    return table[bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:

@@ -20,6 +20,7 @@ import torch
 from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
 from services.types import SamplingParams, StructuredOutputParams
 from tests.structured_schemas import SCHEMAS
+from worker_service import sampler
 from worker_service.sampler import apply_bitmask
 
 SEEDS = (0, 1, 2)
@@ -47,6 +48,9 @@ def test_apply_bitmask_masks_exactly_the_zero_bits(rows: list[int]) -> None:
         expected[r] = expected[r].masked_fill(~allowed[i], float("-inf"))
     apply_bitmask(logits, torch.tensor(rows), bitmask)
     assert torch.equal(logits, expected)
+    # the accelerator path (a byte -> bits table gather), checked on CPU
+    table = sampler._BYTE_BITS[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
+    assert torch.equal(table, allowed)
 
 
 # ---- offline API, real model ------------------------------------------------------------
