@@ -27,8 +27,9 @@ from gateway.http_io import ClientDisconnected, read_json
 from gateway.middleware import GatewayMiddleware
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import openapi_document
-from gateway.protocol import parse_detokenize, parse_tokenize
+from gateway.protocol import DetokenizeRequest, TokenizeRequest, parse
 from gateway.serving import Serving
+from gateway.tools import chat_turns
 from services.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,15 @@ class BasicRoutes:
         return Response(self.serving.metrics.render(), media_type=gm.CONTENT_TYPE)
 
     async def tokenize(self, request: Request) -> Response:
-        req = parse_tokenize(await read_json(request, self.max_body_bytes))
+        req = parse(TokenizeRequest, await read_json(request, self.max_body_bytes))
         card = await self.serving.check_model(req.model)
         tok = self.serving.tokenizer
+        add_special = req.add_special_tokens
         if req.messages is not None:
-            text = await tok.run(tok.render_chat, req.messages)
-            ids = await tok.encode_async(text, req.add_special_tokens)
+            text = await tok.run(tok.render_chat, chat_turns(req.messages, None, False))
+            ids = await tok.encode_async(text, bool(add_special))
         else:
-            ids = await tok.encode_async(req.prompt or "", req.add_special_tokens)
+            ids = await tok.encode_async(req.prompt or "", add_special is not False)
         return JSONResponse(
             {
                 "count": len(ids),
@@ -96,7 +98,7 @@ class BasicRoutes:
         )
 
     async def detokenize(self, request: Request) -> Response:
-        req = parse_detokenize(await read_json(request, self.max_body_bytes))
+        req = parse(DetokenizeRequest, await read_json(request, self.max_body_bytes))
         card = await self.serving.check_model(req.model)
         bad = [t for t in req.tokens if t >= card.vocab_size]
         if bad:

@@ -14,35 +14,72 @@ from gateway import responses as rs
 from gateway.output import ChoiceDelta
 from gateway.serving import GenerateJob
 from gateway.tokenizer import Tokenizer
+from gateway.tools import ToolPlan, ToolStream
 
 
 class ChunkBuilder(Protocol):
     def opening(self) -> list[dict[str, Any]]: ...
 
-    def build(self, delta: ChoiceDelta) -> dict[str, Any] | None: ...
+    def build(self, delta: ChoiceDelta) -> list[dict[str, Any]]: ...
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class ChatChunks:
-    """Chat: the role in a first chunk per choice, content deltas, finish_reason last."""
+    """Chat: the role in a first chunk per choice, content or tool_calls deltas, finish last."""
 
-    def __init__(self, rid: str, model: str, tok: Tokenizer, logprobs: bool, n: int = 1) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        tok: Tokenizer,
+        logprobs: bool,
+        n: int = 1,
+        plan: ToolPlan | None = None,
+    ) -> None:
         self.rid, self.model, self.tok, self.logprobs = rid, model, tok, logprobs
         self.n = n
         self.created = int(time.time())
+        self.tools = {i: ToolStream(plan) for i in range(n)} if plan else {}
 
     def opening(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
         return [self._chunk([rs.chat_chunk_choice(i, role, None, None)]) for i in range(self.n)]
 
-    def build(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def build(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        if delta.index in self.tools:
+            return self._tool_chunks(delta, self.tools[delta.index])
         if not (delta.text or delta.logprobs or delta.finish_reason):
-            return None
+            return []
         content = {"content": delta.text} if delta.text else {}
-        logprobs = rs.chat_logprobs(self.tok, delta.logprobs) if self.logprobs else None
-        choice = rs.chat_chunk_choice(delta.index, content, logprobs, delta.finish_reason)
-        return self._chunk([choice])
+        return [self._choice(delta, content, delta.finish_reason)]
+
+    def _tool_chunks(self, delta: ChoiceDelta, stream: ToolStream) -> list[dict[str, Any]]:
+        parts = stream.feed(delta.text)
+        finish = delta.finish_reason
+        if finish is not None:
+            rest, called = stream.finish()
+            parts += rest
+            finish = "tool_calls" if called and finish == "stop" else finish
+        if not parts and (delta.logprobs or finish):
+            parts = [{}]
+        last = len(parts) - 1
+        return [
+            self._choice(delta, part, finish if k == last else None, with_logprobs=k == 0)
+            for k, part in enumerate(parts)
+        ]
+
+    def _choice(
+        self,
+        delta: ChoiceDelta,
+        part: dict[str, Any],
+        finish: str | None,
+        with_logprobs: bool = True,
+    ) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs and with_logprobs:
+            logprobs = rs.chat_logprobs(self.tok, delta.logprobs)
+        return self._chunk([rs.chat_chunk_choice(delta.index, part, logprobs, finish)])
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._chunk([]), "usage": usage}
@@ -63,10 +100,10 @@ class CompletionChunks:
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def build(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def build(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
         prefix = self.echo.pop(delta.index, "")
         if not (prefix or delta.text or delta.logprobs or delta.finish_reason):
-            return None
+            return []
         choice = {
             "index": delta.index,
             "text": prefix + delta.text,
@@ -74,7 +111,7 @@ class CompletionChunks:
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
-        return rs.completion_chunk(self.job.request_id, self.created, self.model, [choice])
+        return [rs.completion_chunk(self.job.request_id, self.created, self.model, [choice])]
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         chunk = rs.completion_chunk(self.job.request_id, self.created, self.model, [])

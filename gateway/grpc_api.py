@@ -15,8 +15,8 @@ from typing import Any
 from gateway import responses as rs
 from gateway.admission import MessageBudgetInterceptor
 from gateway.errors import ApiError, InvalidRequest
-from gateway.fields import Fields
-from gateway.protocol import ROLES, TextOptions, parse_options
+from gateway.options import TextOptions
+from gateway.protocol import ROLES, GrpcOptions, parse
 from gateway.serving import GenerateJob, Serving
 from services.config import SecurityConfig
 from services.grpc_utils import GrpcServer, Registration
@@ -40,9 +40,8 @@ def options_dict(params: pb.TextSamplingParams) -> dict[str, Any]:
 
 def text_options(params: pb.TextSamplingParams, priority: int) -> TextOptions:
     """Validated options, with the same checks as the REST API."""
-    fields = Fields(options_dict(params))
-    options = parse_options(fields, fields.integer("max_tokens", None, 1), None)
-    return replace(options, priority=priority)
+    checked = parse(GrpcOptions, options_dict(params))
+    return replace(checked.text_options(checked.max_tokens, None), priority=priority)
 
 
 def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
-from gateway.fields import parse_json_object
 
 T = TypeVar("T")
 
@@ -32,6 +32,26 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     if not total:
         raise InvalidRequest("the body is empty; send a JSON object")
     return parse_json_object(b"".join(chunks))
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a UTF-8 JSON object (no NaN or Infinity)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(data), "a number")
+        raise InvalidRequest(f"the body must be a JSON object, not {kind}")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -9,6 +9,7 @@ A stream that fails later ends with an error event and `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -18,11 +19,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import responses as rs
+from gateway import tools
 from gateway.chunks import ChatChunks, ChunkBuilder, CompletionChunks
 from gateway.errors import ApiError, InvalidRequest, internal_error
 from gateway.http_io import ClientDisconnected, read_json, until_disconnect
 from gateway.output import ChoiceDelta
-from gateway.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.serving import GenerateJob, Serving
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,9 @@ class OpenAIRoutes:
         self.max_body_bytes = max_body_bytes
 
     async def chat(self, request: Request) -> Response:
-        req = parse_chat(await read_json(request, self.max_body_bytes))
+        req = parse(ChatCompletionRequest, await read_json(request, self.max_body_bytes))
+        options = tools.chat_options(req)
+        plan = tools.plan_for(req)
         card = await self.serving.check_model(req.model)
         if req.has_images:
             raise InvalidRequest(
@@ -44,32 +48,27 @@ class OpenAIRoutes:
                 "messages",
             )
         prompt = await self._encode_chat(req)
-        job = GenerateJob(rs.new_id("chatcmpl"), [prompt], req.options)
+        job = GenerateJob(rs.new_id("chatcmpl"), [prompt], options)
         collector = rs.Collector(job)
         first, stream = await self._start(request, job)
+        with_logprobs = options.logprobs is not None
+        tok = self.serving.tokenizer
         if not req.stream:
             await until_disconnect(request, self._collect(collector, first, stream))
-            with_logprobs = req.options.logprobs is not None
-            tok = self.serving.tokenizer
             return JSONResponse(
-                rs.chat_response(job.request_id, card.name, collector, tok, with_logprobs)
+                rs.chat_response(job.request_id, card.name, collector, tok, with_logprobs, plan)
             )
-        chunks = ChatChunks(
-            job.request_id,
-            card.name,
-            self.serving.tokenizer,
-            req.options.logprobs is not None,
-            job.options.n,
-        )
+        chunks = ChatChunks(job.request_id, card.name, tok, with_logprobs, options.n, plan)
         events = self._events(job, collector, _prepend(first, stream), chunks, req.include_usage)
         return EventSourceResponse(events, sep="\n", ping=600)
 
     async def completions(self, request: Request) -> Response:
-        req = parse_completion(await read_json(request, self.max_body_bytes))
+        req = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
+        options = req.options()
         card = await self.serving.check_model(req.model)
         prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]
-        want_prompt_lp = req.echo and req.options.logprobs is not None
-        job = GenerateJob(rs.new_id("cmpl"), prompts, req.options, prompt_logprobs=want_prompt_lp)
+        want_prompt_lp = bool(req.echo) and options.logprobs is not None
+        job = GenerateJob(rs.new_id("cmpl"), prompts, options, prompt_logprobs=want_prompt_lp)
         echo = await self._echo_texts(req, job) if req.echo else {}
         collector = rs.Collector(job)
         first, stream = await self._start(request, job)
@@ -85,9 +84,22 @@ class OpenAIRoutes:
 
     # -- shared steps ----------------------------------------------------------------------
 
-    async def _encode_chat(self, req: ChatRequest) -> list[int]:
+    async def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.serving.tokenizer
+        offered = req.tools if req.effective_tool_choice != "none" else None
+        native = tools.template_takes_tools(tok.hf)
+        turns = tools.chat_turns(req.messages, offered, native)
         try:
-            return await self.serving.tokenizer.encode_chat_async(req.messages)
+            if not (native and offered):
+                return await tok.encode_chat_async(turns)
+            render = functools.partial(
+                tok.hf.apply_chat_template,
+                tools=tools.template_tools(offered),
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            text = await tok.run(render, turns)
+            return await tok.encode_async(str(text), False)
         except Exception as exc:  # jinja errors from the template (e.g. unsupported roles)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
 
@@ -146,8 +158,7 @@ class OpenAIRoutes:
                 yield json.dumps(chunk)
             async for delta in stream:
                 collector.add(delta)
-                built = chunks.build(delta)
-                if built is not None:
+                for built in chunks.build(delta):
                     yield json.dumps(built)
             if include_usage:
                 yield json.dumps(chunks.usage(collector.usage()))

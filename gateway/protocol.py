@@ -1,326 +1,379 @@
-"""OpenAI request bodies parsed and validated into gateway request objects.
+"""The OpenAI request bodies the gateway serves, declared once as pydantic v2 models.
 
-`parse_chat` / `parse_completion` / `parse_tokenize` / `parse_detokenize` turn a
-decoded JSON object into frozen dataclasses or raise `InvalidRequest` naming the
-field. `TextOptions` is the protocol-neutral set of sampling and stopping
-options shared with the gRPC text API; `TextOptions.sampling_params` checks
-them against the model (vocabulary, context length) and builds SamplingParams.
+Validation (strict types, ranges, unknown fields), the 400 error of a bad field and the
+request half of /openapi.json all follow from these models. `parse(Model, data)` turns
+a decoded JSON object into a model or raises `InvalidRequest` naming the field.
+Fields Tessera does not implement are refused with a 400 naming them (extra="forbid")
+rather than silently dropped; a field sent as JSON null counts as absent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import re
+from collections import Counter
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from gateway.constraints import GuidedFields
 from gateway.errors import InvalidRequest
-from gateway.fields import INT32_MAX, Fields
-from services.types import MAX_LOGPROBS, SamplingParams
+from gateway.options import TextOptions
+from gateway.strict import Strict
+from services.types import MAX_LOGPROBS
 
 MAX_N = 64  # choices per request
 MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 64  # prompts in one completions request
-ROLES = ("system", "user", "assistant", "developer", "tool")
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+ROLES: tuple[str, ...] = get_args(Role)
+
+M = TypeVar("M", bound=BaseModel)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # logit_bias keys: token ids
+Penalty = Annotated[float | None, Field(ge=-2, le=2)]
 
 
-@dataclass(frozen=True)
-class TextOptions:
-    """Sampling and stopping options in text terms (REST and gRPC)."""
+class StreamOptions(Strict):
+    include_usage: bool | None = None
 
-    max_tokens: int | None = None  # None: up to the context length
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
-    logprobs: int | None = None  # top logprobs per token; None: no logprobs
-    priority: int = 0
 
-    def sampling_params(
-        self, prompt_len: int, max_model_len: int, vocab_size: int, prompt_logprobs: bool = False
-    ) -> SamplingParams:
-        """SamplingParams for one engine request; 400 when the request cannot fit."""
-        self._check_ids(vocab_size)
-        max_tokens = self._max_tokens(prompt_len, max_model_len)
-        if self.min_tokens > max_tokens:
-            raise InvalidRequest(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens"
-            )
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-            logprobs=self.logprobs, prompt_logprobs=self.logprobs if prompt_logprobs else None,
+class SamplingFields(GuidedFields):
+    """Sampling, stopping and streaming fields shared by chat and completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    logit_bias: dict[TokenKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # Informational only, accepted because clients send them and honouring them changes
+    # nothing in the answer: an end-user id for abuse tracking, and tags for stored
+    # completions. `store` and `service_tier` are accepted only with the values Tessera
+    # actually provides (nothing is stored; one tier).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default"] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("'store' cannot be true: this server stores no completions")
+        return store
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def text_options(self, max_tokens: int | None, logprobs: int | None) -> TextOptions:
+        """The options shared by every API, with defaults for absent fields."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return TextOptions(
+            max_tokens=max_tokens, logprobs=logprobs,
+            temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0), seed=self.seed,
+            stop=tuple(s for s in stop if s), stop_token_ids=tuple(self.stop_token_ids or ()),
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            ignore_eos=bool(self.ignore_eos), min_tokens=_or(self.min_tokens, 0),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=_or(self.skip_special_tokens, True), n=_or(self.n, 1),
+            priority=_or(self.priority, 0), structured_output=self.constraint(),
         )  # fmt: skip
 
-    def _max_tokens(self, prompt_len: int, max_model_len: int) -> int:
-        if prompt_len == 0:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        room = max_model_len - prompt_len
-        wanted = self.max_tokens if self.max_tokens is not None else room
-        if room < 1 or wanted > room:
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {prompt_len + max(wanted, 1)} tokens ({prompt_len} in the prompt, "
-                f"{max(wanted, 1)} for the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens",
+
+class GrpcOptions(SamplingFields):
+    """The gRPC text API's sampling params, checked like the REST fields."""
+
+    max_tokens: int | None = Field(None, ge=1)
+
+
+# -- chat messages ------------------------------------------------------------------------
+
+
+class ImageUrl(Strict):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(Strict):
+    """One part of a message's content: text or an image."""
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+    @model_validator(mode="after")
+    def _has_payload(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("'text' is required in a text part")
+        if self.type == "image_url" and self.image_url is None:
+            raise ValueError("'image_url' (an object with a 'url' string) is required")
+        return self
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    """A tool call of an earlier assistant turn."""
+
+    id: str
+    type: Literal["function"] | None = None  # always "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # a participant's name: informational, the template has no slot
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    refusal: str | None = None  # echoed back by clients that resend an assistant message
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content if p.type == "text")
+        return self.content or ""
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
+
+
+class FunctionDef(Strict):
+    """A tool's function: its name, what it does, and a JSON schema of its arguments."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    """tool_choice that forces one function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs' to be true")
+        names = [t.function.name for t in self.tools or []]
+        if self.tool_choice is not None and self.tool_choice != "none" and not names:
+            raise ValueError("'tool_choice' requires 'tools'")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"'tool_choice' names the function {choice.function.name!r:.80},"
+                " which is not in 'tools'"
             )
-        return wanted
+        return self
 
-    def _check_ids(self, vocab_size: int) -> None:
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"'{name}' holds token id {bad[0]}, outside the vocabulary (size {vocab_size})",
-                    name,
-                )
+    @property
+    def has_images(self) -> bool:
+        return any(m.has_images for m in self.messages)
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """ "none" without tools; OpenAI's default ("auto") with them."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
 
-@dataclass(frozen=True)
-class ChatRequest:
-    model: str | None
-    messages: list[dict[str, Any]]  # {"role", "content": str} after flattening text parts
-    options: TextOptions
-    stream: bool = False
-    include_usage: bool = False
-    has_images: bool = False
-    user: str | None = None
+    def options(self) -> TextOptions:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self.text_options(max_tokens, logprobs)
 
 
-@dataclass(frozen=True)
-class CompletionRequest:
-    model: str | None
-    prompts: list[str | list[int]]
-    options: TextOptions
-    echo: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    user: str | None = None
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[TokenId] | list[Annotated[list[TokenId], Field(min_length=1)]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_size(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("'prompt' must not be empty")
+            if isinstance(prompt[0], str | list) and len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"'prompt' may hold at most {MAX_PROMPTS} prompts")
+        return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)  # type: ignore[arg-type]
+
+    def options(self) -> TextOptions:
+        return self.text_options(_or(self.max_tokens, 16), self.logprobs)
 
 
-@dataclass(frozen=True)
-class TokenizeRequest:
-    model: str | None
-    prompt: str | None
-    messages: list[dict[str, Any]] | None
-    add_special_tokens: bool
+class TokenizeRequest(Strict):
+    """POST /tokenize: a prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if self.prompt is None and self.messages is None:
+            raise ValueError("give 'prompt' (a string) or 'messages'")
+        return self
 
 
-@dataclass(frozen=True)
-class DetokenizeRequest:
-    model: str | None
-    tokens: list[int]
+class DetokenizeRequest(Strict):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
-def parse_chat(data: dict[str, Any]) -> ChatRequest:
-    f = Fields(data)
-    messages, has_images = parse_messages(f)
-    top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
-    logprobs = (top or 0) if f.boolean("logprobs", False) else None
-    legacy_max = f.integer("max_tokens", None, 1)  # both are checked; the new name wins
-    max_tokens = f.integer("max_completion_tokens", legacy_max, 1)
-    stream, include_usage = _stream_options(f)
-    return ChatRequest(
-        model=f.string("model"),
-        messages=messages,
-        options=parse_options(f, max_tokens, logprobs),
-        stream=stream,
-        include_usage=include_usage,
-        has_images=has_images,
-        user=f.string("user"),
-    )
+# -- parsing and errors -----------------------------------------------------------------
 
 
-def parse_completion(data: dict[str, Any]) -> CompletionRequest:
-    f = Fields(data)
-    stream, include_usage = _stream_options(f)
-    return CompletionRequest(
-        model=f.string("model"),
-        prompts=parse_prompts(f),
-        options=parse_options(
-            f, f.integer("max_tokens", 16, 1), f.integer("logprobs", None, 0, MAX_LOGPROBS)
-        ),
-        echo=f.boolean("echo", False),
-        stream=stream,
-        include_usage=include_usage,
-        user=f.string("user"),
-    )
+def parse(model: type[M], data: dict[str, Any]) -> M:
+    """`data` validated as `model`; InvalidRequest naming the first bad field otherwise."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
 
 
-def parse_tokenize(data: dict[str, Any]) -> TokenizeRequest:
-    f = Fields(data)
-    has_messages = f.raw("messages") is not None
-    prompt = f.string("prompt")
-    if prompt is None and not has_messages:
-        raise InvalidRequest("give 'prompt' (a string) or 'messages'", "prompt")
-    messages = parse_messages(f)[0] if has_messages else None
-    add_special = f.boolean("add_special_tokens", not has_messages)
-    return TokenizeRequest(f.string("model"), prompt, messages, add_special)
+def invalid_request(exc: ValidationError) -> InvalidRequest:
+    """The most specific error of `exc` (its deepest field) as OpenAI's 400."""
+    errors = exc.errors(include_url=False)
+    per_branch = Counter(_branch(e["loc"]) for e in errors)  # fewer: the closer union member
+    error = max(errors, key=lambda e: (len(_path_parts(e)), -per_branch[_branch(e["loc"])]))
+    path = "".join(_path_parts(error)).lstrip(".")
+    message = _message(error)
+    if not path:  # a cross-field check names its field first: "'top_logprobs' requires..."
+        named = re.match(r"'([\w.\[\]]+)'", message)
+        return InvalidRequest(message, named.group(1) if named else None)
+    return InvalidRequest(f"'{path}' {message}", path)
 
 
-def parse_detokenize(data: dict[str, Any]) -> DetokenizeRequest:
-    f = Fields(data)
-    tokens = f.int_list("tokens")
-    if tokens is None:
-        raise InvalidRequest("'tokens' (an array of token ids) is required", "tokens")
-    return DetokenizeRequest(f.string("model"), tokens)
+def _branch(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """The location up to its last union-member tag (the member the error belongs to)."""
+    tags = [i for i, p in enumerate(loc) if not isinstance(p, int) and p not in _names()]
+    return loc[: tags[-1] + 1] if tags else ()
 
 
-def parse_options(f: Fields, max_tokens: int | None, logprobs: int | None) -> TextOptions:
-    """The sampling and stopping options shared by chat and completions."""
-    return TextOptions(
-        max_tokens=max_tokens,
-        temperature=_num(f, "temperature", 1.0, 0, 2),
-        top_p=_num(f, "top_p", 1.0, 0, 1, lo_open=True),
-        top_k=_int(f, "top_k", 0, -1, INT32_MAX),
-        min_p=_num(f, "min_p", 0.0, 0, 1),
-        seed=f.integer("seed", None),
-        stop=_stop(f),
-        stop_token_ids=tuple(f.int_list("stop_token_ids") or ()),
-        presence_penalty=_num(f, "presence_penalty", 0.0, -2, 2),
-        frequency_penalty=_num(f, "frequency_penalty", 0.0, -2, 2),
-        repetition_penalty=_num(f, "repetition_penalty", 1.0, 0, 100, lo_open=True),
-        logit_bias=_logit_bias(f),
-        ignore_eos=f.boolean("ignore_eos", False),
-        min_tokens=_int(f, "min_tokens", 0, 0, INT32_MAX),
-        include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
-        skip_special_tokens=f.boolean("skip_special_tokens", True),
-        n=_int(f, "n", 1, 1, MAX_N),
-        logprobs=logprobs,
-        priority=_int(f, "priority", 0, -INT32_MAX - 1, INT32_MAX),
-    )
+def _path_parts(error: Any) -> list[str]:
+    """Field names and indexes of an error's location, without union-member tags."""
+    loc = error["loc"]
+    parts = [
+        f"[{p}]" if isinstance(p, int) else f".{p}"
+        for p in loc
+        if p in _names() or isinstance(p, int)
+    ]
+    if error["type"] == "extra_forbidden":  # the unknown field itself
+        parts.append(f".{loc[-1]}")
+    return parts
 
 
-def _num(
-    f: Fields, name: str, default: float, lo: float, hi: float, lo_open: bool = False
-) -> float:
-    value = f.number(name, default, lo, hi, lo_open)
-    assert value is not None
-    return value
+_TYPES = {
+    "model_type": "an object", "dict_type": "an object", "string_type": "a string",
+    "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+    "list_type": "an array",
+}  # fmt: skip
 
 
-def _int(f: Fields, name: str, default: int, lo: int, hi: int) -> int:
-    value = f.integer(name, default, lo, hi)
-    assert value is not None
-    return value
+def _message(error: Any) -> str:
+    kind, msg, value = error["type"], error["msg"], error.get("input")
+    if kind == "missing":
+        return "is required"
+    if kind == "extra_forbidden":
+        return "is not supported by this server"
+    if kind == "too_short" and error.get("ctx", {}).get("min_length") == 1:
+        return "must be a non-empty array" if isinstance(value, list) else "must not be empty"
+    if kind == "value_error":
+        return str(msg).removeprefix("Value error, ")
+    if kind in _TYPES:
+        return f"must be {_TYPES[kind]}, not {_json_type(value)}"
+    shown = "" if isinstance(value, dict | list) else f" (got {value!r:.40})"
+    return f"{msg[:1].lower()}{msg[1:]}{shown}"
 
 
-def _stream_options(f: Fields) -> tuple[bool, bool]:
-    stream = f.boolean("stream", False)
-    options = f.obj("stream_options")
-    include_usage = (
-        Fields(options, "stream_options.").boolean("include_usage", False) if options else False
-    )
-    return stream, include_usage
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    names = {str: "a string", int: "a number", float: "a number", list: "an array"}
+    return names.get(type(value), "an object")
 
 
-def _stop(f: Fields) -> tuple[str, ...]:
-    value = f.raw("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,) if value else ()
-    items = f.array("stop", MAX_STOP)
-    if items is None or not all(isinstance(s, str) for s in items):
-        raise f.error("stop", "must be a string or an array of strings")
-    return tuple(s for s in items if s)
+_NAMES: set[str] = set()
 
 
-def _logit_bias(f: Fields) -> dict[int, float]:
-    raw = f.obj("logit_bias") or {}
-    bias: dict[int, float] = {}
-    for key in raw:
-        if not (key.isascii() and key.isdigit()) or len(key) > 10:
-            raise f.error("logit_bias", f"keys must be token ids (digit strings), got {key!r:.40}")
-        number = Fields(raw, "logit_bias.").number(key, 0.0, -100, 100)
-        bias[int(key)] = float(number or 0.0)
-    return bias
+def _names() -> set[str]:
+    """Every field name (and alias) of the request models."""
+    if not _NAMES:
+        todo: list[type[BaseModel]] = [Strict]
+        while todo:
+            model = todo.pop()
+            for name, info in model.model_fields.items():
+                _NAMES.update({name, info.alias or name})
+            todo.extend(model.__subclasses__())
+    return _NAMES
 
 
-def parse_messages(f: Fields) -> tuple[list[dict[str, Any]], bool]:
-    """Chat messages with text parts joined; also whether any image part was given."""
-    items = f.array("messages")
-    if not items:
-        raise f.error("messages", "must be a non-empty array" if items == [] else "is required")
-    messages, has_images = [], False
-    for i, item in enumerate(items):
-        message, images = _parse_message(item, f"messages[{i}].")
-        messages.append(message)
-        has_images = has_images or images
-    return messages, has_images
-
-
-def _parse_message(item: Any, prefix: str) -> tuple[dict[str, Any], bool]:
-    if not isinstance(item, dict):
-        raise InvalidRequest(f"'{prefix[:-1]}' must be an object", prefix[:-1])
-    f = Fields(item, prefix)
-    role = f.string("role")
-    if role not in ROLES:
-        raise f.error("role", f"must be one of {', '.join(ROLES)}, got {role!r:.40}")
-    content = f.raw("content")
-    if content is None or isinstance(content, str):
-        return {"role": role, "content": content or ""}, False
-    parts = f.array("content")
-    if parts is None:
-        raise f.error("content", "must be a string or an array of content parts")
-    text, images = _parse_parts(parts, prefix + "content")
-    return {"role": role, "content": text}, images
-
-
-def _parse_parts(parts: list[Any], prefix: str) -> tuple[str, bool]:
-    texts, images = [], False
-    for j, part in enumerate(parts):
-        pf = Fields(part if isinstance(part, dict) else {}, f"{prefix}[{j}].")
-        kind = pf.string("type")
-        if kind == "text":
-            text = pf.string("text")
-            if text is None:
-                raise pf.error("text", "is required in a text part")
-            texts.append(text)
-        elif kind == "image_url":
-            image = pf.obj("image_url")
-            if image is None or not isinstance(image.get("url"), str):
-                raise pf.error("image_url", "must be an object with a 'url' string")
-            images = True
-        else:
-            raise pf.error("type", f"must be 'text' or 'image_url', got {kind!r:.40}")
-    return "".join(texts), images
-
-
-def parse_prompts(f: Fields) -> list[str | list[int]]:
-    """The completions prompt: a string, strings, token ids or lists of token ids."""
-    value = f.raw("prompt")
-    if isinstance(value, str):
-        return [value]
-    items = f.array("prompt")
-    if not items:
-        raise f.error("prompt", "is required" if items is None else "must not be empty")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [_token_ids(f, items)]
-    if len(items) > MAX_PROMPTS:
-        raise f.error("prompt", f"may hold at most {MAX_PROMPTS} prompts, got {len(items)}")
-    if all(isinstance(p, str) for p in items):
-        return list(items)
-    if all(isinstance(p, list) for p in items):
-        return [_token_ids(f, p) for p in items]
-    raise f.error("prompt", "must be a string, strings, token ids or lists of token ids")
-
-
-def _token_ids(f: Fields, items: list[Any]) -> list[int]:
-    ids = Fields({"prompt": items}).int_list("prompt")
-    if not ids:
-        raise f.error("prompt", "must not hold an empty token list")
-    return ids
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value

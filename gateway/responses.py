@@ -14,6 +14,7 @@ from typing import Any
 from gateway.output import ChoiceDelta
 from gateway.serving import GenerateJob
 from gateway.tokenizer import Tokenizer
+from gateway.tools import ToolPlan
 from services.types import TokenLogprobs
 
 
@@ -73,14 +74,18 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 def chat_response(
-    rid: str, model: str, collector: Collector, tok: Tokenizer, with_logprobs: bool
+    rid: str,
+    model: str,
+    collector: Collector,
+    tok: Tokenizer,
+    with_logprobs: bool,
+    plan: ToolPlan | None = None,
 ) -> dict[str, Any]:
     choices = [
         {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            **chat_message(c, plan),
             "logprobs": chat_logprobs(tok, c.logprobs) if with_logprobs else None,
-            "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
         for c in collector.ordered()
@@ -93,6 +98,20 @@ def chat_response(
         "choices": choices,
         "usage": collector.usage(),
     }
+
+
+def chat_message(choice: ChoiceResult, plan: ToolPlan | None) -> dict[str, Any]:
+    """{"message", "finish_reason"} of one choice: its text, or its parsed tool calls.
+
+    A choice that called tools and ended normally finishes with "tool_calls".
+    """
+    content, calls = plan.parse(choice.text) if plan else (choice.text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return {"message": message, "finish_reason": choice.finish_reason}
+    message["tool_calls"] = [c.body() for c in calls]
+    finish = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+    return {"message": message, "finish_reason": finish}
 
 
 def chat_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -231,9 +231,43 @@ def _strip_optional(hint: Any) -> Any:
     return hint
 
 
+# ---- hand-written pairs ------------------------------------------------------------
+# StructuredOutputParams is the one message whose shape differs from its dataclass: a
+# oneof with `json_schema` (vLLM's domain name is `json`) and `choice` wrapped in a message.
+
+
+def _encode_structured(msg: Message, obj: dt.StructuredOutputParams) -> None:
+    if obj.json is not None:
+        msg.json_schema = obj.json  # type: ignore[attr-defined]
+    elif obj.json_object:
+        msg.json_object = True  # type: ignore[attr-defined]
+    elif obj.regex is not None:
+        msg.regex = obj.regex  # type: ignore[attr-defined]
+    elif obj.choice is not None:
+        msg.choice.SetInParent()  # type: ignore[attr-defined]
+        msg.choice.values.extend(obj.choice)  # type: ignore[attr-defined]
+    elif obj.grammar is not None:
+        msg.grammar = obj.grammar  # type: ignore[attr-defined]
+
+
+def _decode_structured(msg: Message) -> dt.StructuredOutputParams:
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        raise ValueError("StructuredOutputParams has no constraint set")
+    if which == "choice":
+        return dt.StructuredOutputParams(choice=tuple(msg.choice.values))  # type: ignore[attr-defined]
+    value = getattr(msg, which)
+    return dt.StructuredOutputParams(**{"json" if which == "json_schema" else which: value})
+
+
+_ENCODERS[(dt.StructuredOutputParams, engine_pb2.StructuredOutputParams)] = _encode_structured
+_DECODERS[(dt.StructuredOutputParams, engine_pb2.StructuredOutputParams)] = _decode_structured
+
+
 # The pairs the services exchange, for callers that want them by name.
 PAIRS: list[tuple[type, type[Message]]] = [
     (dt.SamplingParams, engine_pb2.SamplingParams),
+    (dt.StructuredOutputParams, engine_pb2.StructuredOutputParams),
     (dt.TensorHandle, tensor_pb2.TensorHandle),
     (dt.MultiModalInput, engine_pb2.MultiModalInput),
     (dt.EngineCoreRequest, engine_pb2.EngineCoreRequest),

@@ -30,6 +30,29 @@ class FinishReason(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputParams:
+    """One decoding constraint (vLLM's StructuredOutputsParams); exactly one field is set."""
+
+    json: str | None = None  # a JSON schema, serialized as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches this regular expression
+    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF in the backend's dialect (Lark or GBNF, see llguidance)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):  # accept a list, keep the object hashable
+            object.__setattr__(self, "choice", tuple(self.choice))
+        values = (self.json, self.json_object or None, self.regex, self.choice, self.grammar)
+        if sum(v is not None for v in values) != 1:
+            raise ValueError(
+                "structured_output needs exactly one of json, json_object, regex, choice, grammar"
+            )
+
+
+StructuredOutputsParams = StructuredOutputParams  # vLLM's name (vllm.sampling_params)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop (vLLM semantics)."""
 
@@ -48,6 +71,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # top-k logprobs per sampled token; 0: only the sampled one
     prompt_logprobs: int | None = None  # same, per prompt token
+    structured_output: StructuredOutputParams | None = None  # a decoding constraint
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", ">= 0")

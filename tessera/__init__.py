@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from services.types import SamplingParams
+from services.types import SamplingParams, StructuredOutputParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tessera.llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ per-token Python loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ class RequestState:
     num_blocks: int
     params: SamplingParams
     resumed: bool = False  # re-sent after preemption: prompt logprobs were already reported
+    matcher: Any = None  # llguidance.LLMatcher of a structured-output request (see structured.py)
 
     @property
     def num_outputs(self) -> int:

@@ -34,6 +34,7 @@ from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
+from worker_service.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class ModelRunner:
             config.max_num_seqs, self.max_model_len, self.block_size, arch.vocab_size
         )
         self.sampler = Sampler(device, config.model.seed)
+        self.structured = StructuredOutputs(model_dir, arch.vocab_size, arch.eos_token_ids)
         self.num_blocks = 0
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
@@ -134,7 +136,8 @@ class ModelRunner:
         errors: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
             try:
-                self.input_batch.add(new)
+                state = self.input_batch.add(new)
+                self.structured.attach(state, new.output_token_ids)
             except ValueError as exc:
                 errors[new.request_id] = str(exc)
                 self.input_batch.remove(new.request_id)
@@ -175,10 +178,15 @@ class ModelRunner:
         states = [step.states[i] for i in step.sample_reqs]
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         eos = self.model.config.eos_token_ids
-        result = self.sampler(
-            logits, build_sampling_batch(states, self.input_batch, eos, self.device)
-        )
+        batch = build_sampling_batch(states, self.input_batch, eos, self.device)
+        grammar = self.structured.bitmask(states)
+        if grammar is not None:
+            rows, mask = grammar
+            batch.allowed = (torch.tensor(rows, device=self.device), mask.to(self.device))
+        result = self.sampler(logits, batch)
         tokens = result.token_ids.tolist()
+        if grammar is not None:
+            out.request_errors.update(self.structured.accept(states, tokens))
         logprobs = to_token_logprobs(result, [s.params.logprobs for s in states])
         for i, token, lp in zip(step.sample_reqs, tokens, logprobs, strict=True):
             out.sampled[i] = SampledTokens([token], [lp] if lp is not None else [])

@@ -1,7 +1,8 @@
 """Token sampling on a batch of logits, vectorized over requests.
 
 Order of operations (vLLM semantics): min_tokens masking, logit_bias, then
-repetition / frequency / presence penalties on the raw logits; greedy rows take
+repetition / frequency / presence penalties on the raw logits, then the grammar
+bitmask of structured-output rows (worker_service.structured); greedy rows take
 the argmax; the other rows are divided by their temperature, filtered by top-k,
 top-p and min-p, and sampled with the Gumbel-max trick (argmax of p / E with
 E ~ Exp(1)). Seeded rows draw their noise from a generator seeded with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -43,6 +45,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, cols, values
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, cols masked (min_tokens)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [n], grammar bitmask [n, V/32]
     seeded: tuple[tuple[int, int, int], ...] = ()  # (row, seed, output position)
     max_num_logprobs: int = -1  # largest logprobs ask in the batch; -1 = none
 
@@ -96,7 +99,7 @@ class Sampler:
 
 
 def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """min_tokens bans, logit_bias and penalties, in place on [B, V] logits."""
+    """min_tokens bans, logit_bias, penalties and grammar masks, in place on [B, V] logits."""
     if batch.banned is not None:
         logits[batch.banned] = float("-inf")
     if batch.bias is not None:
@@ -104,7 +107,39 @@ def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         logits.index_put_((rows, cols), values, accumulate=True)
     if batch.penalties is not None:
         apply_penalties(logits, batch.penalties)
+    if batch.allowed is not None:
+        apply_bitmask(logits, *batch.allowed)
     return logits
+
+
+# _BYTE_BITS[b, j]: bit j of byte b, so a bitmask viewed as bytes unpacks with one gather.
+_BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
+_BYTE_BITS_ON: dict[torch.device, torch.Tensor] = {}  # copies on accelerators
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf on logits [B, V] where rows' bitmask [n, ceil(V/32)] int32 has a 0 bit
+    (bit j of word w is token 32 w + j, little-endian as llguidance writes it)."""
+    n, vocab = bitmask.shape[0], logits.shape[1]
+    allowed = _unpack_bits(bitmask, logits.device)[:, :vocab]  # [n, V] bool
+    if n == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _unpack_bits(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[n, W] int32 -> [n, 32 W] bool. On CPU numpy's unpackbits (2-4x faster here than a
+    torch gather); elsewhere one gather through a byte -> 8 bits table on the device."""
+    if device.type == "cpu":
+        as_bytes = bitmask.numpy().view(np.uint8)  # [n, 4 W], little-endian words
+        return torch.from_numpy(np.unpackbits(as_bytes, axis=-1, bitorder="little")).view(
+            torch.bool
+        )
+    table = _BYTE_BITS_ON.get(device)
+    if table is None:
+        table = _BYTE_BITS_ON[device] = _BYTE_BITS.to(device)
+    return table[bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:

@@ -30,6 +30,7 @@ from services.types import (
     RequestTimestamps,
     SamplingParams,
     SharedMemoryLocation,
+    StructuredOutputParams,
     TensorHandle,
     TokenLogprobs,
 )
@@ -50,6 +51,7 @@ PARAMS = SamplingParams(
     logit_bias={11: 2.5, 12: -100.0},
     logprobs=3,
     prompt_logprobs=1,
+    structured_output=StructuredOutputParams(choice=("yes", "no")),
 )
 LOGPROBS = TokenLogprobs(
     token_id=5, logprob=-0.25, rank=2, top_token_ids=[4, 5], top_logprobs=[-0.125, -0.25]
@@ -178,6 +180,7 @@ CASES: list[Any] = [
         healthy=True,
     ),
 ]
+CASES.append(StructuredOutputParams(json='{"type": "object"}'))
 MESSAGE_FOR = dict(convert.PAIRS)
 
 
@@ -231,3 +234,42 @@ def test_mismatched_dataclass_is_a_clear_error() -> None:
 
     with pytest.raises(TypeError, match="has no field"):
         convert.to_proto(LOGPROBS, engine_pb2.SamplingParams)
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputParams(json='{"type": "integer"}'),
+        StructuredOutputParams(json_object=True),
+        StructuredOutputParams(regex="[a-z]+"),
+        StructuredOutputParams(choice=("a", "b c")),
+        StructuredOutputParams(choice=()),  # rejected by structured_output.check, not here
+        StructuredOutputParams(grammar='start: "x"'),
+    ],
+    ids=["json", "json_object", "regex", "choice", "empty_choice", "grammar"],
+)
+def test_each_structured_output_constraint_round_trips(constraint: StructuredOutputParams) -> None:
+    """The oneof keeps exactly the constraint that was set, nested in SamplingParams."""
+    from services.pb import engine_pb2
+
+    params = SamplingParams(structured_output=constraint)
+    msg = convert.to_proto(params, engine_pb2.SamplingParams)
+    assert msg.HasField("structured_output")
+    wire = engine_pb2.SamplingParams.FromString(msg.SerializeToString())
+    assert convert.from_proto(wire, SamplingParams) == params
+
+
+def test_sampling_params_without_constraint_leave_the_message_unset() -> None:
+    from services.pb import engine_pb2
+
+    msg = convert.to_proto(SamplingParams(), engine_pb2.SamplingParams)
+    assert not msg.HasField("structured_output")
+    assert convert.from_proto(msg, SamplingParams).structured_output is None
+
+
+def test_structured_output_params_need_exactly_one_constraint() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputParams(regex="a", choice=("a",))
+    assert StructuredOutputParams(choice=["a"]).choice == ("a",)  # type: ignore[arg-type]

@@ -128,9 +128,17 @@ def test_bad_input(
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_unknown_fields_are_ignored(http: httpx.Client, engine: FakeEngine) -> None:
-    response = send(http, "POST", CHAT, chat(max_tokens=2, frobnicate={"x": 1}, tools=None), AUTH)
-    assert response.status_code == 200
+def test_unknown_fields_are_refused_nulls_and_informational_fields_accepted(
+    http: httpx.Client, engine: FakeEngine
+) -> None:
+    refused = send(http, "POST", CHAT, chat(max_tokens=2, frobnicate={"x": 1}), AUTH)
+    assert_error_shape(refused, 400, "frobnicate")
+    assert refused.json()["error"]["param"] == "frobnicate"
+    assert_error_shape(send(http, "POST", CMPL, cmpl(best_of=2), AUTH), 400, "best_of")
+    assert_error_shape(send(http, "POST", CHAT, chat(store=True), AUTH), 400, "store")
+    assert engine.requests == []
+    fine = chat(max_tokens=2, frobnicate=None, user="u1", metadata={"k": "v"}, store=False)
+    assert send(http, "POST", CHAT, fine, AUTH).status_code == 200
 
 
 def test_error_mid_stream_ends_with_error_event_and_done(
