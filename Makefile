@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench clean
+.PHONY: install proto model test test-fast lint serve bench bench-quick clean
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -50,10 +50,15 @@ lint: install
 clean:
 	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)
 
-# All benchmarks: JSON, Markdown and PNG under bench-results/, table in README. About 20 minutes
-# on a 2-core AVX2 machine, 11 of them in the HF baselines (HF static batching alone: ~7.5).
+# All benchmarks, HF and vLLM beside Tessera: JSON, Markdown and PNG under bench-results/, tables
+# in README. vLLM's CPU build goes into its own venv, .bench/vllm, on first use (a few minutes);
+# `BENCH_ARGS="--skip vllm"` leaves it out. About 25 minutes on a 2-core machine.
 bench: install
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
+
+# Offline W1 only (HF, vLLM, Tessera): under 8 minutes once vLLM is installed; README untouched.
+bench-quick: install
+	$(PY) -m benchmarks.run_all --quick $(BENCH_ARGS)
 
 SERVE_ARGS ?=
 serve: install
