@@ -46,6 +46,10 @@ class VllmEnv:
     kv_cache_gib: int = 2
     # create the venv and install vLLM when it is missing (False: report it unavailable).
     install: bool = True
+    # VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept off vLLM's compute threads. vLLM's own default
+    # (None) keeps one per rank for its engine loop, which on 2 cores leaves 1 core to the
+    # model; 0 gives the model every core, as Tessera's worker has.
+    reserved_cpus: int | None = 0
 
     @property
     def python(self) -> Path:
@@ -66,6 +70,8 @@ class VllmEnv:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        if self.reserved_cpus is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.reserved_cpus)
         return env
 
 
