@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import decode_bench, offline_bench
+from benchmarks.report import cpu_info
 from benchmarks.vllm_env import (
     STAMP,
     VLLM_PACKAGE,
@@ -112,3 +113,23 @@ def test_server_without_entrypoint_is_reported(fake_venv: Path) -> None:
     missing = pytest.raises(VllmUnavailable, match=r"server exited 1 .*No module named")
     with missing, serving(VllmEnv(fake_venv), "model", free_port(), timeout_s=30):
         pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vllm", ["fake", "missing"])
+def test_offline_bench_reports_vllm_or_why_not(fake_venv: Path, tmp_path: Path, vllm: str) -> None:
+    """The offline bench end to end (real Tessera, 3 requests): vLLM's row and ratio when it
+    runs, and when it is missing, Tessera's figures with the reason."""
+    venv = fake_venv if vllm == "fake" else tmp_path / "empty"
+    argv = ["--num-requests", "3", "--skip-hf", "--out-dir", str(tmp_path)]
+    data = offline_bench.main([*argv, "--vllm-venv", str(venv), "--no-vllm-install"])
+    engines = [r["engine"] for r in data["results"]]
+    text = (tmp_path / "offline.md").read_text()
+    assert json.loads((tmp_path / "offline.json").read_text()) == data
+    if vllm == "fake":
+        assert engines == ["tessera", "vllm"] and data["ratios"]["tessera_vs_vllm"] > 0
+        assert "Tessera / vLLM: **" in text
+    else:
+        assert engines == ["tessera"] and "not installed" in data["ratios"]["vllm_error"]
+        assert "vLLM: not measured (vLLM is not installed in" in text
+    assert data["cpu"]["flags"] == cpu_info()["flags"] and cpu_info()["model"] in text
