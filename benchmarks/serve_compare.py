@@ -7,6 +7,7 @@ serve.json / serve.md / serve.png from them (vLLM's part may be an error instead
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -50,14 +51,29 @@ def combine(
     cpu: dict[str, Any],
     out_dir: Path,
 ) -> dict[str, Any]:
-    """Write serve.json, serve.md and serve.png from both engines' results."""
+    """Write serve.json, serve.md and serve.png from both engines' results (and, when out_dir
+    has this run's offline.json, Tessera's serving at rate inf as a share of its offline)."""
     data: dict[str, Any] = {"cpu": cpu, "tessera": tessera, "vllm": vllm}
     data["tessera_vs_vllm"] = compare(tessera, vllm)
+    share = serving_share_of_offline(tessera, out_dir / "offline.json")
+    if share is not None:
+        data["tessera_inf_share_of_offline"] = share
     if vllm_error is not None:
         data["vllm_error"] = vllm_error
     write_results("serve", data, table(data), out_dir)
     plot(data, out_dir / "serve.png")
     return data
+
+
+def serving_share_of_offline(tessera: dict[str, Any], offline_json: Path) -> float | None:
+    """Tessera's output tok/s at rate inf over its offline figure (None without either)."""
+    if not offline_json.is_file():
+        return None
+    rows = json.loads(offline_json.read_text()).get("results", [])
+    offline = next((r["output_tokens_per_s"] for r in rows if r["engine"] == "tessera"), None)
+    served = next((figure(r, "output_throughput") for r in tessera["runs"]
+                   if math.isinf(r["request_rate"])), None)  # fmt: skip
+    return None if not offline or served is None else served / offline
 
 
 def table(data: dict[str, Any]) -> str:
@@ -79,6 +95,9 @@ def table(data: dict[str, Any]) -> str:
     if any(len(r) > 1 for r in ratios):
         text += "\nTessera / vLLM (>1: Tessera better; latencies as vLLM's / Tessera's):\n\n"
         text += markdown_table(ratios, ["rate (req/s)"] + [f[1] for f in FIGURES])
+    if "tessera_inf_share_of_offline" in data:
+        share = data["tessera_inf_share_of_offline"]
+        text += f"\nTessera serving at rate inf / Tessera offline (same run): **{share:.0%}**\n"
     if "vllm_error" in data:
         text += f"\nvLLM: not measured ({data['vllm_error']})\n"
     return text

@@ -69,6 +69,10 @@ class VllmEnv:
             TRANSFORMERS_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
+            # vLLM 0.32's AOT compile cache fails to load with this torch ("'function' object
+            # has no attribute 'finalize_loading'"), so each start compiled for minutes again;
+            # its older compile cache is reused across starts.
+            VLLM_USE_AOT_COMPILE="0",
         )
         if self.reserved_cpus is not None:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.reserved_cpus)

@@ -113,6 +113,7 @@ def _serve(out_tok_s: float, ttft: float, tpot: float) -> dict[str, Any]:
 
 def test_serving_side_by_side(tmp_path: Path) -> None:
     data = serve_compare.combine(_serve(300, 50, 10), _serve(100, 100, 40), None, CPU, tmp_path)
+    assert "tessera_inf_share_of_offline" not in data  # no offline.json in this run
     assert {p.name for p in tmp_path.iterdir()} == {"serve.json", "serve.md", "serve.png"}
     saved = json.loads((tmp_path / "serve.json").read_text())
     assert saved["cpu"] == CPU and "vllm_error" not in saved
@@ -137,3 +138,14 @@ def test_written_json_keeps_every_figure(tmp_path: Path, with_vllm: bool) -> Non
     data = _offline_data(with_vllm, None if with_vllm else "left out")
     path = write_results("offline", data, offline_bench.table(data), tmp_path)
     assert json.loads(path.read_text()) == data
+
+
+def test_serving_share_of_offline(tmp_path: Path) -> None:
+    offline = _offline_data(with_vllm=True)
+    write_results("offline", offline, offline_bench.table(offline), tmp_path)  # Tessera: 450
+    data = serve_compare.combine(_serve(360, 50, 10), None, "left out", CPU, tmp_path)
+    assert data["tessera_inf_share_of_offline"] == pytest.approx(0.8)
+    assert (
+        "Tessera serving at rate inf / Tessera offline (same run): **80%**"
+        in (tmp_path / "serve.md").read_text()
+    )
