@@ -51,8 +51,8 @@ clean:
 	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)
 
 # All benchmarks, HF and vLLM beside Tessera: JSON, Markdown and PNG under bench-results/, tables
-# in README. vLLM's CPU build goes into its own venv, .bench/vllm, on first use (a few minutes);
-# `BENCH_ARGS="--skip vllm"` leaves it out. About 25 minutes on a 2-core machine.
+# in README. vLLM's CPU build goes into its own venv, .bench/vllm, on first use (~5 minutes);
+# `BENCH_ARGS="--skip vllm"` leaves it out. About 30 minutes on a quiet 2-core machine.
 bench: install
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
 

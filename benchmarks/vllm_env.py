@@ -69,10 +69,6 @@ class VllmEnv:
             TRANSFORMERS_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
-            # vLLM 0.32's AOT compile cache fails to load with this torch ("'function' object
-            # has no attribute 'finalize_loading'"), so each start compiled for minutes again;
-            # its older compile cache is reused across starts.
-            VLLM_USE_AOT_COMPILE="0",
         )
         if self.reserved_cpus is not None:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.reserved_cpus)
@@ -142,7 +138,9 @@ def tail(path: Path, chars: int = 400) -> str:
 
 
 def run_job(env: VllmEnv, job: dict[str, Any], timeout_s: float = 1800) -> dict[str, Any]:
-    """Run one offline job (see vllm_runner.py) in vLLM's venv; returns its result dict."""
+    """Run one offline job (see vllm_runner.py) in vLLM's venv; returns its result dict.
+    Each vLLM start warms up (compiles) its model first: about 2 minutes on 2 quiet cores,
+    every time (vLLM 0.32's compile cache fails to load with this torch)."""
     ensure_installed(env)
     env.log_dir.mkdir(parents=True, exist_ok=True)
     log = env.log_dir / f"{job['mode']}.log"
@@ -162,7 +160,7 @@ def run_job(env: VllmEnv, job: dict[str, Any], timeout_s: float = 1800) -> dict[
 
 
 @contextmanager
-def serving(env: VllmEnv, model: str, port: int, timeout_s: float = 600) -> Iterator[str]:
+def serving(env: VllmEnv, model: str, port: int, timeout_s: float = 900) -> Iterator[str]:
     """vLLM's OpenAI server on 127.0.0.1:port for the duration; yields its base URL."""
     ensure_installed(env)
     env.log_dir.mkdir(parents=True, exist_ok=True)
