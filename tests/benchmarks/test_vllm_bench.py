@@ -7,6 +7,7 @@ empty and broken venvs. CI never installs vLLM.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import decode_bench, offline_bench
+from benchmarks import decode_bench, offline_bench, run_all
 from benchmarks.report import cpu_info
 from benchmarks.vllm_env import (
     STAMP,
@@ -133,3 +134,18 @@ def test_offline_bench_reports_vllm_or_why_not(fake_venv: Path, tmp_path: Path, 
         assert engines == ["tessera"] and "not installed" in data["ratios"]["vllm_error"]
         assert "vLLM: not measured (vLLM is not installed in" in text
     assert data["cpu"]["flags"] == cpu_info()["flags"] and cpu_info()["model"] in text
+
+
+def test_run_all_tries_the_install_once(tmp_path: Path) -> None:
+    """run_all tries vLLM's install up front; the benches then never retry it and report
+    the reason it failed."""
+    blocker = tmp_path / "vllm"
+    blocker.write_text("a file where the venv should go")
+    args = argparse.Namespace(skip=[], vllm_venv=blocker, vllm_kv_cache_gib=3)
+    env, argv = run_all.vllm_args(args)
+    assert env == VllmEnv(blocker, kv_cache_gib=3, install=False)
+    assert argv == ["--vllm-venv", str(blocker), "--vllm-kv-cache-gib", "3", "--no-vllm-install"]
+    with pytest.raises(VllmUnavailable, match=r"not installed .*vLLM install failed"):
+        ensure_installed(env)
+    args.skip = ["vllm"]
+    assert run_all.vllm_args(args) == (None, ["--skip-vllm"])
