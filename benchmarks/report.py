@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -91,11 +92,16 @@ def bar_plot(path: Path, title: str, labels: list[str], values: list[float], yla
     colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
     bars = ax.bar(labels, values, color=[colors[i % len(colors)] for i in range(len(values))])
     ax.bar_label(bars, fmt="%.1f")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_wrap(title), fontsize=9)
     ax.set_ylabel(ylabel)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _wrap(title: str, width: int = 80) -> str:
+    """Plot titles: long lines (the CPU line) wrapped so they fit the figure."""
+    return "\n".join("\n".join(textwrap.wrap(line, width)) for line in title.splitlines())
 
 
 def line_plot(
@@ -115,7 +121,7 @@ def line_plot(
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ys in series.items():
         ax.plot(xs, ys, marker="o", label=label)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_wrap(title), fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend()
