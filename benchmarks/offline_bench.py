@@ -116,11 +116,11 @@ def _hf_batch(model: Any, batch: list[BenchRequest]) -> None:
 
 def hf_dtype_for(dtype: str, choice: str) -> str:
     """HF's dtype: `choice`, or for "auto" Tessera's unless that is bf16 on a CPU without bf16."""
-    from worker_service.loader import cpu_has_native_bf16
+    from worker_service.cpu_kernels import read_cpu_info
 
     if choice != "auto":
         return choice
-    return "float32" if dtype == "bfloat16" and not cpu_has_native_bf16() else dtype
+    return "float32" if dtype == "bfloat16" and not read_cpu_info().native_bf16 else dtype
 
 
 def _figures(name: str, requests: list[BenchRequest], elapsed: float) -> dict[str, Any]:

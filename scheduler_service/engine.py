@@ -101,6 +101,8 @@ class EngineCore:
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
+        if not all(type(t) is int for t in prompt):
+            raise ValueError("prompt token ids must be integers")
         vocab = self.model_info.vocab_size
         if vocab and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -48,10 +48,13 @@ class ModelConfig:
     served_model_name: str = ""
     # Weight and activation dtype; bfloat16 is the fast default, float32 the exact one.
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    # How bf16 GEMMs run on CPU: "native" bf16 kernels (HF's, bit for bit), "float32"
-    # GEMMs over upcast weights (same values, several times faster where the CPU lacks
-    # bf16 instructions), or "auto": native when the CPU has AVX512-BF16/AMX, else float32.
+    # How bf16 GEMMs run on CPU: "native" bf16 kernels, "float32" GEMMs over upcast
+    # weights (same values, several times faster where the CPU lacks bf16 instructions),
+    # or "auto": native when the CPU has AVX512-BF16/AMX, else float32.
     bf16_gemm: Literal["auto", "native", "float32"] = "auto"
+    # Bit-for-bit HF bf16 numerics on CPU: HF's own bf16 GEMMs and decode attention call
+    # (no GQA folding, no C++ decode kernel). Slower; the bf16 parity test turns it on.
+    hf_exact_numerics: bool = False
     # Longest prompt + output; 0 means the model's own max_position_embeddings.
     max_model_len: int = 0
     # "auto" picks cuda when available, else cpu.
@@ -65,6 +68,10 @@ class ModelConfig:
         _require(
             self.bf16_gemm in ("auto", "native", "float32"),
             f"bf16_gemm must be auto, native or float32, not {self.bf16_gemm!r}",
+        )
+        _require(
+            not (self.hf_exact_numerics and self.bf16_gemm == "float32"),
+            "hf_exact_numerics needs HF's native bf16 GEMMs, not bf16_gemm=float32",
         )
         _require(self.max_model_len >= 0, "max_model_len must be >= 0 (0: the model's own)")
         _require(

@@ -19,6 +19,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--served-model-name", default="", help="name clients use (default: from the model)"
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument(
+        "--bf16-gemm",
+        default="auto",
+        choices=["auto", "native", "float32"],
+        help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
+    )
+    p.add_argument(
+        "--hf-exact-numerics",
+        action="store_true",
+        help="CPU bf16: HF's own kernels, bit for bit (slower: no C++ decode kernel)",
+    )
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool budget on CPU, e.g. 2GiB")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -54,6 +65,7 @@ def build_services(args: argparse.Namespace) -> list[Service]:
     common = ["--log-level", args.log_level]
     worker = [
         py, "-m", "worker_service", "--model", args.model, "--dtype", args.dtype,
+        "--bf16-gemm", args.bf16_gemm, *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
         "--host", "127.0.0.1", "--port", str(args.worker_port), "--block-size", str(args.block_size),
         "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs),

@@ -25,8 +25,8 @@ from services.config import (
     parse_bytes,
 )
 from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from tessera.prompts import Prompt, parse_prompts
 
-Prompt = str | Sequence[int]
 TQDM_MIN_PROMPTS = 16  # progress bar from this many prompts on, unless told otherwise
 
 
@@ -109,11 +109,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs keep the prompts' order."""
-        batch = _as_batch(prompts)
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
-        texts = [p if isinstance(p, str) else None for p in batch]
-        return self._run(ids, texts, _per_prompt(sampling_params, len(batch)), use_tqdm)
+        """Generate for each prompt; outputs keep the prompts' order.
+
+        A prompt is text, token ids, {"prompt": str} or {"prompt_token_ids": [...]}
+        (vLLM's forms), one or a list. All are checked before any is queued.
+        """
+        parsed = parse_prompts(prompts, self.tokenizer.encode)
+        params = _per_prompt(sampling_params, len(parsed))
+        ids, texts = [p.token_ids for p in parsed], [p.text for p in parsed]
+        for i, prompt_ids in enumerate(ids):
+            self._check(prompt_ids, params[i], i)
+        return self._run(ids, texts, params, use_tqdm)
 
     def chat(
         self,
@@ -145,6 +151,13 @@ class LLM:
             self._result(rid, ids, text, pending[rid])
             for rid, ids, text in zip(request_ids, prompt_ids, texts, strict=True)
         ]
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams, index: int) -> None:
+        """The engine's own validation, before anything is queued; names the prompt."""
+        try:
+            self.engine.validate(EngineCoreRequest(str(index), prompt_ids, params))
+        except ValueError as exc:
+            raise ValueError(f"prompt {index}: {exc}") from None
 
     def _add(self, prompt_ids: list[int], params: SamplingParams) -> str:
         request_id = str(self._next_id)
@@ -181,13 +194,6 @@ def _collect(pending: _Pending, out: EngineCoreOutput) -> int:
     pending.token_ids.extend(out.new_token_ids)
     pending.last = out
     return 1 if out.finished else 0
-
-
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """A single prompt (text or one id list) becomes a batch of one."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]  # type: ignore[list-item]
-    return list(prompts)  # type: ignore[arg-type]
 
 
 def _per_prompt(params: Any, n: int) -> list[SamplingParams]:

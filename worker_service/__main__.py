@@ -29,6 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "native", "float32"],
         help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
     )
+    p.add_argument(
+        "--hf-exact-numerics",
+        action="store_true",
+        help="CPU bf16: HF's own kernels, bit for bit (slower: no C++ decode kernel)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
@@ -59,6 +64,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             served_model_name=args.served_model_name,
             dtype=args.dtype,
             bf16_gemm=args.bf16_gemm,
+            hf_exact_numerics=args.hf_exact_numerics,
             max_model_len=args.max_model_len,
             device=args.device,
             seed=args.seed,

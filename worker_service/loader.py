@@ -50,15 +50,6 @@ def load_model(
     return model.eval()
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 matmul instructions (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True  # unknown: assume native
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     """Every weight in `dtype` (RMSNorm weights too, as HF keeps them)."""
     for p in model.parameters():

@@ -27,8 +27,10 @@ from services.step_types import (
 from services.types import TokenLogprobs
 from worker_service import kv_cache
 from worker_service.attention import get_attention_backend
+from worker_service.cpu_kernels import KernelChoice, choose_kernels, read_cpu_info
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
-from worker_service.loader import cpu_has_native_bf16, load_model
+from worker_service.loader import load_model
+from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
@@ -47,11 +49,7 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_dir, self.dtype, device, self.backend)
         if self.dtype == torch.bfloat16 and device.type == "cpu":
-            if _float32_gemms(config):
-                log.info("bf16 GEMMs run as float32 GEMMs over upcast weights")
-                self.model.emulate_bf16_matmuls()
-            else:
-                self.backend.match_hf_kernels()
+            self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))
         arch = self.model.config
         self.max_model_len = min(
             config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
@@ -63,6 +61,19 @@ class ModelRunner:
         )
         self.sampler = Sampler(device, config.model.seed)
         self.num_blocks = 0
+
+    def _use_cpu_kernels(self, choice: KernelChoice) -> None:
+        """Apply the GEMM and attention choice for a bf16 model on CPU, and log it."""
+        if choice.hf_exact:
+            self.backend.match_hf_kernels()
+        else:
+            self.model.pack_linears(torch.float32 if choice.float32_gemms else torch.bfloat16)
+            ops = cpu_ops.load()
+            if ops is not None:
+                self.model.use_cpu_ops(ops)
+        kernel = getattr(self.backend, "decode_kernel", False)
+        attention = "C++ paged decode kernel" if kernel else "SDPA decode"
+        log.info("kernels: %s; decode attention: %s", choice.describe(read_cpu_info()), attention)
 
     # ----------------------------------------------------------------- cache
     def initialize_cache(self, num_blocks: int) -> int:
@@ -213,9 +224,3 @@ class ModelRunner:
                 strict=True,
             )
         ]
-
-
-def _float32_gemms(config: WorkerConfig) -> bool:
-    """Whether bf16 GEMMs run as float32 ones (`ModelConfig.bf16_gemm`, "auto" by CPU flags)."""
-    choice = config.model.bf16_gemm
-    return choice == "float32" or (choice == "auto" and not cpu_has_native_bf16())

@@ -1,7 +1,7 @@
 """The CPU paged decode-attention kernel (`cpu_decode.cpp`), built at first use.
 
-The source is compiled once per source, flags and CPU level with the system C++
-compiler into Tessera's cache directory and loaded through ctypes; the call
+The source is built by `worker_service.native` (once per source, flags and CPU
+level, into Tessera's cache directory) and loaded through ctypes; the call
 releases the GIL and runs on torch's intra-op thread count. `load()` returns None
 (and logs why, once) where it cannot be built; the backend then keeps its SDPA path.
 """
@@ -10,27 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.default_model import cache_root
+from worker_service import native
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-# torch's CPU capability -> the matching x86-64 level; elsewhere the compiler's default.
-MARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
-FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
-LIBS = ["-lmvec"]  # glibc's vector math (the softmax's expf)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _ARGTYPES: list[Any] = [
@@ -44,46 +36,17 @@ _ARGTYPES: list[Any] = [
 ]
 
 
-def compile_flags() -> list[str]:
-    return [*FLAGS, *MARCH.get(torch.backends.cpu.get_cpu_capability(), []), *LIBS]
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None when this machine cannot build it."""
-    flags = compile_flags()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"cpu_decode-{digest}.so"
     try:
-        if not target.exists():
-            _build(target, flags)
-        lib = ctypes.CDLL(str(target))
+        lib = native.build(SOURCE)
     except (OSError, subprocess.CalledProcessError) as exc:
         log.warning("CPU decode kernel unavailable (%s); using SDPA for decode", exc)
         return None
     lib.tessera_paged_decode.argtypes = _ARGTYPES
     lib.tessera_paged_decode.restype = ctypes.c_int
     return lib
-
-
-def _build(target: Path, flags: list[str]) -> None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise OSError("no C++ compiler (g++) found")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, str(SOURCE), "-o", tmp, *flags], check=True, capture_output=True, text=True
-        )
-        os.replace(tmp, target)  # atomic: concurrent builders each publish a whole file
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    for stale in target.parent.glob("cpu_decode-*.so"):  # builds of older sources or flags
-        if stale != target:
-            stale.unlink(missing_ok=True)
-    log.info("built the CPU decode kernel: %s", target)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,14 @@ from torch import nn
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig
 from worker_service.models.context import get_attention_metadata
+from worker_service.models.cpu_ops import CpuOps
 from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
     """Self-attention over the paged KV pool: fused qkv, RoPE, optional q/k norm, GQA."""
+
+    ops: CpuOps | None = None  # fused CPU RoPE (LlamaForCausalLM.use_cpu_ops)
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -51,7 +54,10 @@ class PagedAttention(nn.Module):
                 ],
                 dim=1,
             )
-        qk = RotaryEmbedding.rotate(qk, cis)  # [n, heads + kv_heads, head_dim]
+        if self.ops is not None:
+            self.ops.rope_(qk, *cis)  # in place, inside the qkv output
+        else:
+            qk = RotaryEmbedding.rotate(qk, cis)  # [n, heads + kv_heads, head_dim]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         meta = get_attention_metadata()
@@ -114,11 +120,17 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] float32 logits (accumulated in float32 by the matmul)."""
         return self.lm_head(hidden).float()
 
-    def emulate_bf16_matmuls(self) -> None:
-        """Run every bf16 GEMM as a float32 GEMM over the same weights (see layers.Linear)."""
+    def use_cpu_ops(self, ops: CpuOps) -> None:
+        """Run RMSNorm + residual, RoPE and SiLU * up as fused CPU kernels."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | PagedAttention | GatedMLP):
+                module.ops = ops
+
+    def pack_linears(self, dtype: torch.dtype) -> None:
+        """Run every GEMM over a oneDNN-packed weight in `dtype` (see layers.Linear)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.emulate_bf16()
+                module.pack(dtype)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

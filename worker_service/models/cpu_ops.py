@@ -1,0 +1,113 @@
+"""Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up.
+
+At small batches a decode step is dominated by the dispatch of many tiny torch ops;
+each of these replaces 3-8 of them with one ctypes call that keeps HF's bf16 rounding
+order. `load()` returns None (and logs why, once) where the library cannot be built;
+the layers then keep their torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker_service import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_SIGNATURES: dict[str, list[Any]] = {
+    # dtype, x, residual, weight, out, n, hidden, eps, num_threads
+    "tessera_add_rms_norm": [
+        ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+        ctypes.c_int,
+    ],
+    # dtype, qk, n, heads, head_dim, row_stride, cos, sin, num_threads
+    "tessera_rope": [
+        ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int,
+    ],
+    # dtype, gate_up, out, n, inter, num_threads
+    "tessera_silu_mul": [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int,
+    ],
+}  # fmt: skip
+
+
+@functools.cache
+def load() -> CpuOps | None:
+    """The fused ops, or None when this machine cannot build them."""
+    try:
+        lib = native.build(SOURCE)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        log.warning("fused CPU ops unavailable (%s); using torch ops", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = ctypes.c_int
+    return CpuOps(lib)
+
+
+def _check(status: int, op: str) -> None:
+    if status:
+        raise ValueError(f"fused CPU op {op} rejected its arguments (status {status})")
+
+
+class CpuOps:
+    """The library's ops over torch tensors (CPU, float32 or bf16, contiguous rows)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        residual: torch.Tensor | None,  # [n, hidden]; updated in place to x + residual
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rms_norm(x + residual), x + residual), as RMSNorm.forward."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        src, res = (None, x) if residual is None else (x, residual)
+        assert res.is_contiguous() and res.dtype == x.dtype == weight.dtype
+        status = self.lib.tessera_add_rms_norm(
+            DTYPES[x.dtype], None if src is None else src.data_ptr(), res.data_ptr(),
+            weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, "add_rms_norm")
+        return out, res
+
+    def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate qk [n, heads, head_dim] in place (rows may be strided); cos, sin
+        [n, 1, head_dim // 2] in qk's dtype, as RotaryEmbedding.lookup returns them."""
+        n, heads, head_dim = qk.shape
+        assert qk.stride(2) == 1 and qk.stride(1) == head_dim and qk.dtype == cos.dtype
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[0] == n
+        status = self.lib.tessera_rope(
+            DTYPES[qk.dtype], qk.data_ptr(), n, heads, head_dim, qk.stride(0), cos.data_ptr(),
+            sin.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, "rope")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2 * inter] (gate, up) -> silu(gate) * up [n, inter]."""
+        assert gate_up.is_contiguous()
+        n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(n, inter)
+        status = self.lib.tessera_silu_mul(
+            DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), n, inter,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, "silu_mul")
+        return out

@@ -1,0 +1,63 @@
+"""C++ sources of the CPU kernels, built at first use with the system compiler.
+
+Each source is compiled once per source, flags and CPU level into Tessera's cache
+directory (`kernels/<stem>-<digest>.so`, written to a temp file and renamed into
+place, older builds of the same stem pruned) and loaded through ctypes. `build()`
+raises OSError or CalledProcessError where it cannot; callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from services.default_model import cache_root
+
+log = logging.getLogger(__name__)
+
+# torch's CPU capability -> the matching x86-64 level; elsewhere the compiler's default.
+MARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lmvec"]  # glibc's vector math (expf in loops)
+
+
+def compile_flags() -> list[str]:
+    return [*FLAGS, *MARCH.get(torch.backends.cpu.get_cpu_capability(), []), *LIBS]
+
+
+def build(source: Path) -> ctypes.CDLL:
+    """The library built from `source` (built now unless a build of it is cached)."""
+    flags = compile_flags()
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+    if not target.exists():
+        _compile(source, target, flags)
+    return ctypes.CDLL(str(target))
+
+
+def _compile(source: Path, target: Path, flags: list[str]) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler (g++) found")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, str(source), "-o", tmp, *flags], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, target)  # atomic: concurrent builders each publish a whole file
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    for stale in target.parent.glob(f"{source.stem}-*.so"):  # older sources or flags
+        if stale != target:
+            stale.unlink(missing_ok=True)
+    log.info("built %s: %s", source.name, target)
