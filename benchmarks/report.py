@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import textwrap
 from collections.abc import Sequence
@@ -15,20 +16,15 @@ CPU_FLAGS = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8"]  # fmt: skip
 
 
-def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
-    """The CPU model, its class, the CPU_FLAGS it has and the CPU count, from /proc/cpuinfo
-    (or the given text)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    fields = [line.partition(":") for line in cpuinfo.splitlines()]
-    models = [v.strip() for k, _, v in fields if k.strip() == "model name"]
-    present = {f for k, _, v in fields if k.strip() == "flags" for f in v.split()}
-    flags = [f for f in CPU_FLAGS if f in present]
-    return {"model": models[0] if models else "unknown", "cpu_class": cpu_class(flags),
-            "flags": flags, "cpus": len(models)}  # fmt: skip
+def cpu_info(path: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU model, its class, the CPU_FLAGS it has (read as the worker reads them) and the
+    number of CPUs this process may run on."""
+    from worker_service.cpu_kernels import read_cpu_info
+
+    cpu = read_cpu_info(path)
+    flags = [f for f in CPU_FLAGS if f in cpu.flags]
+    return {"model": cpu.model, "cpu_class": cpu_class(flags), "flags": flags,
+            "cpus": len(os.sched_getaffinity(0))}  # fmt: skip
 
 
 def cpu_class(flags: list[str]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,25 +16,32 @@ from benchmarks.report import cpu_info, cpu_line, ratio, write_results
 AMX_CPU = """processor\t: 0
 model name\t: Intel(R) Xeon(R) Platinum 8480+
 flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8
+
 processor\t: 1
 model name\t: Intel(R) Xeon(R) Platinum 8480+
 flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8
 """
 AVX2_CPU = "processor\t: 0\nmodel name\t: AMD EPYC 7B12\nflags\t\t: fpu sse2 avx avx2 fma\n"
-CPU = cpu_info(AMX_CPU)
+CPUS = len(os.sched_getaffinity(0))
+CPU = {"model": "Intel(R) Xeon(R) Platinum 8480+", "cpu_class": "AMX", "cpus": 2,
+       "flags": ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                 "amx_tile", "amx_bf16", "amx_int8"]}  # fmt: skip
 
 
-def test_cpu_info_names_model_class_and_flags() -> None:
-    assert CPU["model"] == "Intel(R) Xeon(R) Platinum 8480+" and CPU["cpus"] == 2
-    assert CPU["cpu_class"] == "AMX"
-    assert CPU["flags"] == ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-                            "amx_tile", "amx_bf16", "amx_int8"]  # fmt: skip
-    avx2 = cpu_info(AVX2_CPU)
-    assert (avx2["cpu_class"], avx2["flags"], avx2["cpus"]) == ("AVX2", ["avx2", "fma"], 1)
-    assert cpu_info("")["cpu_class"] == "other"
-    assert "AMD EPYC 7B12, 1 CPUs, class AVX2 (avx2 fma)" in cpu_line(avx2)
+def _cpu(text: str, tmp_path: Path) -> dict[str, Any]:
+    path = tmp_path / "cpuinfo"
+    path.write_text(text)
+    return cpu_info(path)
+
+
+def test_cpu_info_names_model_class_and_flags(tmp_path: Path) -> None:
+    assert _cpu(AMX_CPU, tmp_path) == {**CPU, "cpus": CPUS}
+    avx2 = _cpu(AVX2_CPU, tmp_path)
+    assert (avx2["cpu_class"], avx2["flags"]) == ("AVX2", ["avx2", "fma"])
+    assert _cpu("", tmp_path)["cpu_class"] == "other"
+    assert f"AMD EPYC 7B12, {CPUS} CPUs, class AVX2 (avx2 fma)" in cpu_line(avx2)
     here = cpu_info()  # this machine's /proc/cpuinfo
-    assert here["cpus"] >= 1 and here["model"] != "unknown"
+    assert here["cpus"] >= 1 and here["model"] != "unknown CPU"
 
 
 def test_ratio_is_tessera_over_the_other() -> None:
