@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench soak clean
+.PHONY: install proto model test test-fast lint serve bench bench-quick soak clean
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -50,8 +50,9 @@ lint: install
 clean:
 	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)
 
-# All benchmarks: JSON, Markdown and PNG under bench-results/, table in README. About 20 minutes
-# on a 2-core AVX2 machine, 11 of them in the HF baselines (HF static batching alone: ~7.5).
+# All benchmarks, HF and vLLM beside Tessera: JSON, Markdown and PNG under bench-results/, tables
+# in README. vLLM's CPU build goes into its own venv, .bench/vllm, on first use (~5 minutes);
+# `BENCH_ARGS="--skip vllm"` leaves it out. About 30 minutes on a quiet 2-core machine.
 bench: install
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
 
@@ -60,6 +61,10 @@ bench: install
 SOAK_ARGS ?=
 soak: install
 	$(PY) -m benchmarks.soak --out bench-results $(SOAK_ARGS)
+
+# Offline W1 only (HF, vLLM, Tessera): under 8 minutes once vLLM is installed; README untouched.
+bench-quick: install
+	$(PY) -m benchmarks.run_all --quick $(BENCH_ARGS)
 
 SERVE_ARGS ?=
 serve: install

@@ -1,11 +1,13 @@
-"""Worker decode/prefill throughput vs HF transformers, same machine, same run.
+"""Worker decode/prefill throughput vs HF transformers and vLLM, same machine, same run.
 
     python -m benchmarks.decode_bench [--dtype bfloat16] [--steps 32] [--repeats 3] [--profile]
 
 Measures (medians over repeats): batch-1 decode tokens/s, batch-32 decode tokens/s and a
-512-token prefill, for the in-process Worker (no gRPC) and for HF transformers (eager
-generate with a KV cache; a static batch of 32 equal-length prompts), both in `--dtype`.
-Decode time excludes the prefill: HF's is t(generate 1 + N tokens) - t(generate 1 token).
+512-token prefill, for the in-process Worker (no gRPC), for HF transformers (eager
+generate with a KV cache; a static batch of 32 equal-length prompts) and for vLLM's
+offline LLM.generate (same prompts, prefix caching off; its venv: `--vllm-venv`), all in
+`--dtype`. Decode time excludes the prefill: HF's and vLLM's is
+t(generate 1 + N tokens) - t(generate 1 token); vLLM's prefill is t(generate 1 token).
 Writes bench-results/decode.json, .md and .png and prints the table.
 """
 
@@ -19,7 +21,16 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.report import RESULTS_DIR, bar_plot, markdown_table, write_results
+from benchmarks.report import (
+    RESULTS_DIR,
+    bar_plot,
+    cpu_info,
+    cpu_line,
+    markdown_table,
+    ratio,
+    write_results,
+)
+from benchmarks.vllm_env import DEFAULT_VENV, VllmEnv, VllmUnavailable, run_job
 from services.config import ModelConfig, WorkerConfig
 from services.default_model import resolve_model
 from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
@@ -112,6 +123,21 @@ class HFBench:
         return time.perf_counter() - start
 
 
+def measure_vllm(env: VllmEnv, dtype: str, steps: int, repeats: int, batch: int) -> dict[str, Any]:
+    """The same figures for vLLM, from one offline run in its venv."""
+    job = {
+        "mode": "decode",
+        "model": str(resolve_model("default")),
+        "dtype": dtype,
+        "prompts": [_prompt(i, PROMPT_LEN) for i in range(batch)],
+        "prefill_prompt": _prompt(0, 512),
+        "steps": steps,
+        "repeats": repeats,
+    }
+    result = run_job(env, job)
+    return {k: v for k, v in result.items() if k != "vllm_version"}
+
+
 def measure(bench: Any, steps: int, repeats: int, batch: int) -> dict[str, float]:
     bench.decode(1, 4, "warm")
     b1 = [bench.decode(1, steps, f"b1-{r}") for r in range(repeats)]
@@ -141,6 +167,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM's virtualenv")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument(
+        "--no-vllm-install", action="store_true", help="report vLLM unavailable if not installed"
+    )
     p.add_argument("--profile", action="store_true", help="print a torch profile of batch-1 decode")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
@@ -151,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": threads,
         "steps": args.steps,
         "repeats": args.repeats,
+        "batch": args.batch,
+        "cpu": cpu_info(),
         "tessera": measure(ours_bench, args.steps, args.repeats, args.batch),
     }
     if args.profile:
@@ -160,35 +194,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["hf_transformers"] = measure(
             HFBench(args.dtype), args.steps, args.repeats, args.batch
         )
+    if not args.skip_vllm:
+        try:
+            env = VllmEnv(args.vllm_venv, args.vllm_kv_cache_gib, not args.no_vllm_install)
+            results["vllm"] = measure_vllm(env, args.dtype, args.steps, args.repeats, args.batch)
+        except VllmUnavailable as exc:
+            results["vllm_error"] = str(exc)
+            print(f"vLLM: {exc}", flush=True)
     text = table(results)
     write_results("decode", results, text, args.out_dir)
-    bar_plot(
-        args.out_dir / "decode.png",
-        f"Decode tokens/s ({args.dtype}, {threads} threads)",
-        [f"{engine} b{b}" for b in (1, args.batch) for engine in ("tessera", "hf")],
-        [
-            results.get(engine, {}).get(f"decode_b{b}_tok_s", 0.0)
-            for b in (1, args.batch)
-            for engine in ("tessera", "hf_transformers")
-        ],
-        "tokens/s",
-    )
+    plot(results, args.out_dir / "decode.png")
     print(text)
     return results
 
 
+ENGINES = {"tessera": "tessera", "hf_transformers": "hf", "vllm": "vllm"}  # results key: label
+
+
 def table(results: dict[str, Any]) -> str:
-    """Markdown: each metric for Tessera and HF with the ratio (higher is better for Tessera)."""
+    """Markdown: each metric for Tessera, HF and vLLM with Tessera's ratios (>1: Tessera ahead)."""
     rows = []
     for key, ours in results["tessera"].items():
-        hf = results.get("hf_transformers", {}).get(key)
-        ratio = None if hf is None else (hf / ours if key == "prefill_512_s" else ours / hf)
-        rows.append({"metric": key, "tessera": ours, "hf": hf or "", "tessera / hf": ratio or ""})
+        row: dict[str, Any] = {"metric": key, "tessera": ours}
+        for engine, label in list(ENGINES.items())[1:]:
+            theirs = results.get(engine, {}).get(key)
+            row[label] = "" if theirs is None else theirs
+            mine = ratio(ours, theirs, lower_is_better=key == "prefill_512_s")
+            row[f"tessera / {label}"] = "" if mine is None else mine
+        rows.append(row)
     title = (
         f"### Decode and prefill ({results['dtype']}, {results['threads']} threads, "
-        f"medians of {results['repeats']})\n\n"
+        f"medians of {results['repeats']})\n\n{cpu_line(results['cpu'])}\n\n"
     )
-    return title + markdown_table(rows, ["metric", "tessera", "hf", "tessera / hf"])
+    columns = ["metric", "tessera", "hf", "vllm", "tessera / hf", "tessera / vllm"]
+    text = title + markdown_table(rows, columns)
+    if "vllm_error" in results:
+        text += f"\nvLLM: not measured ({results['vllm_error']})\n"
+    return text
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Decode tokens/s at batch 1 and the large batch, one bar per engine measured."""
+    batch = results["batch"]
+    bars = [(f"{label} b{b}", results[engine][f"decode_b{b}_tok_s"])
+            for b in (1, batch) for engine, label in ENGINES.items() if engine in results]  # fmt: skip
+    title = f"Decode tokens/s ({results['dtype']}, {results['threads']} threads)\n"
+    title += cpu_line(results["cpu"])
+    bar_plot(path, title, [b[0] for b in bars], [b[1] for b in bars], "tokens/s")
 
 
 if __name__ == "__main__":

