@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker_service.models import cpu_ops
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -120,6 +122,10 @@ _BYTE_BITS_ON: dict[torch.device, torch.Tensor] = {}  # copies on accelerators
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf on logits [B, V] where rows' bitmask [n, ceil(V/32)] int32 has a 0 bit
     (bit j of word w is token 32 w + j, little-endian as llguidance writes it)."""
+    ops = cpu_ops.load() if logits.device.type == "cpu" else None
+    if ops is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        ops.apply_bitmask(logits, rows, bitmask)  # one pass, no [n, V] bool mask
+        return
     n, vocab = bitmask.shape[0], logits.shape[1]
     allowed = _unpack_bits(bitmask, logits.device)[:, :vocab]  # [n, V] bool
     if n == logits.shape[0]:

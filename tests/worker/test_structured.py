@@ -46,8 +46,10 @@ def test_apply_bitmask_masks_exactly_the_zero_bits(rows: list[int]) -> None:
     allowed = _reference_allowed(bitmask, vocab)
     for i, r in enumerate(rows):
         expected[r] = expected[r].masked_fill(~allowed[i], float("-inf"))
-    apply_bitmask(logits, torch.tensor(rows), bitmask)
+    apply_bitmask(logits, torch.tensor(rows), bitmask)  # the C++ pass on CPU
     assert torch.equal(logits, expected)
+    # the fallback without the C++ ops (numpy's unpackbits)
+    assert torch.equal(sampler._unpack_bits(bitmask, torch.device("cpu"))[:, :vocab], allowed)
     # the accelerator path (a byte -> bits table gather), checked on CPU
     table = sampler._BYTE_BITS[bitmask.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
     assert torch.equal(table, allowed)

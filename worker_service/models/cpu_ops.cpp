@@ -8,11 +8,13 @@
 //   add_rms_norm  x, residual, out [n, hidden]; weight [hidden]
 //   rope          qk rows of `row_stride` elements, heads x head_dim each; cos, sin [n, head_dim/2]
 //   silu_mul      gate_up [n, 2 * inter] (gate first); out [n, inter]
+// and the sampler's grammar mask: apply_bitmask (float32 logits, int32 words).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
@@ -147,9 +149,38 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter, int num_thread
   }
 }
 
+void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint32_t* bitmask,
+                   int64_t n, int64_t words, int num_threads) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for num_threads(threads_for(n * vocab, num_threads))
+  for (int64_t i = 0; i < n; ++i) {
+    float* l = logits + rows[i] * vocab;
+    const uint32_t* m = bitmask + i * words;
+    for (int64_t w = 0; w < words; ++w) {
+      const uint32_t bits = m[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t end = std::min<int64_t>(32, vocab - w * 32);
+      for (int64_t j = 0; j < end; ++j) {
+        if (!((bits >> j) & 1u)) l[w * 32 + j] = neg_inf;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// logits [B, vocab] float32; bitmask [n, words] (bit j of word w: token 32 w + j allowed);
+// rows [n]: the logits row of each bitmask row. Disallowed tokens become -inf.
+int tessera_apply_bitmask(void* logits, int64_t vocab, const void* rows, const void* bitmask,
+                          int64_t n, int64_t words, int num_threads) {
+  if (words * 32 < vocab) return 2;
+  apply_bitmask(static_cast<float*>(logits), vocab, static_cast<const int64_t*>(rows),
+                static_cast<const uint32_t*>(bitmask), n, words, num_threads);
+  return 0;
+}
+
 
 int tessera_add_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out,
                          int64_t n, int64_t hidden, float eps, int num_threads) {

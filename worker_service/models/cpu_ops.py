@@ -1,4 +1,5 @@
-"""Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up.
+"""Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up,
+and the sampler's grammar bitmask.
 
 At small batches a decode step is dominated by the dispatch of many tiny torch ops;
 each of these replaces 3-8 of them with one ctypes call that keeps HF's bf16 rounding
@@ -39,6 +40,11 @@ _SIGNATURES: dict[str, list[Any]] = {
     "tessera_silu_mul": [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_int,
+    ],
+    # logits, vocab, rows, bitmask, n, words, num_threads
+    "tessera_apply_bitmask": [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int,
     ],
 }  # fmt: skip
 
@@ -111,3 +117,17 @@ class CpuOps:
         )  # fmt: skip
         _check(status, "silu_mul")
         return out
+
+    def apply_bitmask(
+        self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    ) -> None:
+        """-inf on logits [B, V] float32 where the rows' bitmask [n, W] int32 has a 0 bit."""
+        assert logits.is_contiguous() and logits.dtype == torch.float32
+        rows = rows.to(torch.int64).contiguous()
+        bitmask = bitmask.contiguous()
+        assert bitmask.dtype == torch.int32 and rows.shape[0] == bitmask.shape[0]
+        status = self.lib.tessera_apply_bitmask(
+            logits.data_ptr(), logits.shape[1], rows.data_ptr(), bitmask.data_ptr(),
+            bitmask.shape[0], bitmask.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, "apply_bitmask")
