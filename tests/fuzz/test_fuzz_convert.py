@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from services import convert
-from services.types import MAX_LOGPROBS, SamplingParams
+from services.types import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _INTS = {
@@ -89,7 +89,21 @@ def _valid(draw: st.DrawFn, cls: type, fields: dict[str, st.SearchStrategy[Any]]
         assume(False)  # violates the dataclass's own validation (e.g. min_tokens > max_tokens)
 
 
+def _structured() -> st.SearchStrategy[StructuredOutputParams]:
+    """One constraint of each form (its converter maps json <-> json_schema and wraps choice)."""
+    text = st.text(min_size=1, max_size=20)
+    return st.one_of(
+        st.builds(StructuredOutputParams, json=text),
+        st.just(StructuredOutputParams(json_object=True)),
+        st.builds(StructuredOutputParams, regex=text),
+        st.builds(StructuredOutputParams, choice=st.lists(text, min_size=1, max_size=3).map(tuple)),
+        st.builds(StructuredOutputParams, grammar=text),
+    )
+
+
 def _dataclass(cls: type, message_cls: type[Message]) -> st.SearchStrategy[Any]:
+    if cls is StructuredOutputParams:
+        return _structured()
     hints = typing.get_type_hints(cls)
     by_name = message_cls.DESCRIPTOR.fields_by_name
     fields = {}
