@@ -8,7 +8,9 @@ content, but validity must come from the constraint, not from the prompt.
 Numbers bound their decimals with `multipleOf`: the grammar puts no limit on the digits of
 a bare `number`, and at temperature 1 the 135M model sometimes writes digits until
 max_tokens (truncation, finish_reason "length", as with vLLM's grammar backends), which is
-not a constraint violation but would make these tests flaky.
+not a constraint violation but would make these tests flaky. The steps are binary fractions
+(0.5, 0.25, 0.125): jsonschema checks multipleOf in float arithmetic, where 18.2 is "not a
+multiple of 0.1".
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ SCHEMAS: list[tuple[str, Schema, str]] = [
         {
             "type": "object",
             "properties": {
-                "temperature": {"type": "number", "minimum": -50, "maximum": 60, "multipleOf": 0.1},
-                "humidity": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01},
+                "temperature": {"type": "number", "minimum": -50, "maximum": 60, "multipleOf": 0.5},
+                "humidity": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.125},
             },
             "required": ["temperature", "humidity"],
             "additionalProperties": False,
@@ -251,7 +253,7 @@ SCHEMAS: list[tuple[str, Schema, str]] = [
             "properties": {
                 "id": {"type": "integer", "minimum": 1},
                 "name": {"type": "string", "maxLength": 25},
-                "price": {"type": "number", "minimum": 0, "maximum": 10000, "multipleOf": 0.01},
+                "price": {"type": "number", "minimum": 0, "maximum": 10000, "multipleOf": 0.25},
                 "in_stock": {"type": "boolean"},
                 "category": {"type": "string", "enum": ["book", "toy", "food"]},
             },
