@@ -10,6 +10,7 @@ import sys
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.launcher import Launcher, Service, grpc_ok, http_ok
+from worker_service.cpu_kernels import add_kernel_args
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,17 +24,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--served-model-name", default="", help="name clients use (default: from the model)"
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument(
-        "--bf16-gemm",
-        default="auto",
-        choices=["auto", "native", "float32"],
-        help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
-    )
-    p.add_argument(
-        "--hf-exact-numerics",
-        action="store_true",
-        help="CPU bf16: HF's own kernels, bit for bit (slower: no C++ decode kernel)",
-    )
+    add_kernel_args(p)
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool budget on CPU, e.g. 2GiB")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")

@@ -11,6 +11,7 @@ from services.config import CacheConfig, ModelConfig, WorkerConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
+from worker_service.cpu_kernels import add_kernel_args
 from worker_service.server import build_server
 
 log = logging.getLogger("worker_service")
@@ -25,17 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", default="", help="name reported in ModelInfo")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument(
-        "--bf16-gemm",
-        default="auto",
-        choices=["auto", "native", "float32"],
-        help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
-    )
-    p.add_argument(
-        "--hf-exact-numerics",
-        action="store_true",
-        help="CPU bf16: HF's own kernels, bit for bit (slower: no C++ decode kernel)",
-    )
+    add_kernel_args(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)

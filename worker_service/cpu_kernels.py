@@ -12,6 +12,7 @@ The default is the fastest path on every CPU class:
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,3 +87,18 @@ def choose_kernels(config: ModelConfig, cpu: CpuInfo) -> KernelChoice:
     if cpu.native_bf16:
         return KernelChoice(False, False, "auto: the CPU has bf16 instructions")
     return KernelChoice(True, False, "auto: no AVX512-BF16/AMX, bf16 GEMMs would be emulated")
+
+
+def add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    """The kernel flags shared by `python -m worker_service` and `tessera serve`."""
+    parser.add_argument(
+        "--bf16-gemm",
+        default="auto",
+        choices=["auto", "native", "float32"],
+        help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
+    )
+    parser.add_argument(
+        "--hf-exact-numerics",
+        action="store_true",
+        help="CPU bf16: HF's own kernels, bit for bit (slower: no C++ decode kernel)",
+    )
