@@ -82,22 +82,28 @@ class Sampler:
         """logits [B, V] float32 (modified in place) -> sampled tokens (+ logprobs if asked)."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
         logits = apply_constraints(logits, batch)
-        tokens = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
+        tokens = argmax_rows(logits) if batch.all_greedy else self._sample(logits, batch)
         out = SamplerOutput(tokens)
         if raw_logprobs is not None:
             fill_logprobs(out, raw_logprobs, batch.max_num_logprobs)
         return out
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = argmax_rows(logits)
         temperature = torch.where(batch.greedy, 1.0, batch.temperature).unsqueeze(1)
         probs = filter_probs(logits / temperature, batch)  # [B, V]
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed, position in batch.seeded:
             gen = torch.Generator(device=probs.device).manual_seed(position_seed(seed, position))
             noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax_rows(probs / noise)
         return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] index of each row's first maximum. torch's CPU `max(dim)` is several times
+    faster than `argmax` over a vocabulary-sized row, with the same first-maximum rule."""
+    return x.max(dim=-1).indices
 
 
 def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

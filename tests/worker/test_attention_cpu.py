@@ -46,6 +46,13 @@ def test_decode_kernel_head_sizes(head_dim: int, dtype: torch.dtype) -> None:
     check("kernel", "many_decodes", 2, 3, head_dim, 16, dtype)
 
 
+@pytest.mark.parametrize("group", [4, 7, 8])  # register-held sums up to 6 heads, then a loop
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_kernel_group_sizes(group: int, head_dim: int, dtype: torch.dtype) -> None:
+    check("kernel", "many_decodes", 1, group, head_dim, 32, dtype)
+
+
 def check(
     mode: str,
     batch: str,

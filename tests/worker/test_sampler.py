@@ -221,3 +221,12 @@ def test_seeded_request_same_alone_in_batch_and_after_preemption(tiny_worker: Wo
         "s"
     ]
     assert unseeded != alone  # the seed, not the model, fixes the tokens (12 tokens over 320)
+
+
+def test_argmax_rows_matches_argmax_and_takes_the_first_maximum() -> None:
+    from worker_service.sampler import argmax_rows
+
+    x = torch.randn(5, 1000)
+    x[2, 10] = x[2, 700] = 99.0  # a tie: the first one wins
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[2].item() == 10

@@ -8,7 +8,9 @@
 //   block_table  [num_reqs_in_step, table_stride] int32; seq_lens [num_reqs_in_step] int32
 // Query head h attends with KV head h / (heads / kv_heads), as HF's repeat_kv. Scores,
 // softmax and the weighted sum are float32; bf16 inputs are widened exactly and the output
-// rounded to nearest even.
+// rounded to nearest even. Built for AVX-512 (head sizes that are multiples of 16), the
+// scores of 16 rows are summed by one transposing tree and the weighted sum keeps its
+// accumulators in registers; elsewhere portable loops the compiler vectorizes.
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +18,11 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TESSERA_AVX512 1
+#endif
 
 // glibc's vector expf (libmvec): lets the softmax loop vectorize without -ffast-math.
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
@@ -44,15 +51,17 @@ struct Shape {
 
 // Per-thread float32 buffers: the scaled queries, the accumulators, one block's widened
 // K or V rows, and the scores of the group's query heads over the whole sequence.
+// `parts` holds, per query head, 16 rows' lane-wise partial dot products (AVX-512 path).
 struct Scratch {
   std::vector<float> buf;
-  float *q, *acc, *rows, *scores;
+  float *q, *acc, *rows, *scores, *parts;
   void reserve(int64_t group, int64_t dim, int64_t block_size, int64_t seq_len) {
-    buf.resize(size_t(2 * group * dim + block_size * dim + group * seq_len));
+    buf.resize(size_t(2 * group * dim + block_size * dim + group * seq_len + group * 256 + 16));
     q = buf.data();
     acc = q + group * dim;
     rows = acc + group * dim;
     scores = rows + block_size * dim;
+    parts = scores + group * seq_len;
   }
 };
 
@@ -102,6 +111,113 @@ inline void weigh_rows(const float* __restrict p, const float* __restrict rows, 
   }
 }
 
+#if TESSERA_AVX512
+// 16 float32 lanes from 16 elements (bf16 widened exactly).
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 load16(const uint16_t* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Adds lanes pairwise across a and b: lane i = a_or_b[lo[i]] + a_or_b[hi[i]].
+inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+}
+
+// Lane i of the result = the sum of the 16 lanes of v[i]: a transposing tree of 15 folds
+// instead of 16 separate horizontal sums.
+inline __m512 sum_lanes16(const float* v) {
+  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i hi1 = _mm512_add_epi32(lo1, _mm512_set1_epi32(8));
+  const __m512i hi2 = _mm512_add_epi32(lo2, _mm512_set1_epi32(4));
+  const __m512i hi3 = _mm512_add_epi32(lo3, _mm512_set1_epi32(2));
+  const __m512i hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(1));
+  __m512 w[8], x[4], y[2];
+  for (int j = 0; j < 8; ++j)
+    w[j] = fold(_mm512_loadu_ps(v + 32 * j), _mm512_loadu_ps(v + 32 * j + 16), lo1, hi1);
+  for (int j = 0; j < 4; ++j) x[j] = fold(w[2 * j], w[2 * j + 1], lo2, hi2);
+  for (int j = 0; j < 2; ++j) y[j] = fold(x[2 * j], x[2 * j + 1], lo3, hi3);
+  return fold(y[0], y[1], lo4, hi4);
+}
+
+// scores[g * stride + o] = q[g] . row o, for the n <= 16 rows of one KV head starting at
+// slot first_slot; q is [group, Dim] float32.
+template <typename T, int64_t Dim>
+inline void score16(const float* q, int64_t group, const T* head, int64_t first_slot,
+                    int64_t n, int64_t slot_stride, float* parts, float* scores,
+                    int64_t stride) {
+  constexpr int64_t V = Dim / 16;
+  for (int64_t o = 0; o < 16; ++o) {
+    if (o >= n) {
+      for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(parts + g * 256 + o * 16, _mm512_setzero_ps());
+      continue;
+    }
+    const T* src = head + (first_slot + o) * slot_stride;
+    __m512 k[V];
+    for (int64_t j = 0; j < V; ++j) k[j] = load16(src + 16 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + g * Dim), k[0]);
+      for (int64_t j = 1; j < V; ++j) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * Dim + 16 * j), k[j], dot);
+      _mm512_storeu_ps(parts + g * 256 + o * 16, dot);
+    }
+  }
+  const __mmask16 mask = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  for (int64_t g = 0; g < group; ++g)
+    _mm512_mask_storeu_ps(scores + g * stride, mask, sum_lanes16(parts + g * 256));
+}
+
+// acc[g] += sum over the n rows o of one KV head (from slot first_slot) of
+// p[g * stride + o] * row o, for each of the G query heads g; acc is [G, Dim] float32 and
+// stays in registers across the rows (G * Dim / 16 <= 24 vectors).
+template <typename T, int64_t Dim, int64_t G>
+inline void weigh_block(const float* p, int64_t stride, const T* head, int64_t first_slot,
+                        int64_t n, int64_t slot_stride, float* acc) {
+  constexpr int64_t V = Dim / 16;
+  __m512 a[G][V];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < V; ++j) a[g][j] = _mm512_loadu_ps(acc + g * Dim + 16 * j);
+  for (int64_t o = 0; o < n; ++o) {
+    const T* src = head + (first_slot + o) * slot_stride;
+    __m512 v[V];
+    for (int64_t j = 0; j < V; ++j) v[j] = load16(src + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * stride + o]);
+      for (int64_t j = 0; j < V; ++j) a[g][j] = _mm512_fmadd_ps(pg, v[j], a[g][j]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < V; ++j) _mm512_storeu_ps(acc + g * Dim + 16 * j, a[g][j]);
+}
+
+// weigh_block for a run-time group size; false where there is no register-held variant.
+template <typename T, int64_t Dim>
+inline bool weigh_block_any(const float* p, int64_t stride, int64_t group, const T* head,
+                            int64_t first_slot, int64_t n, int64_t slot_stride, float* acc) {
+  constexpr int64_t V = Dim / 16;
+  bool done = false;
+  auto run = [&](auto g) {
+    constexpr int64_t G = decltype(g)::value;
+    if constexpr (G * V <= 24) {
+      weigh_block<T, Dim, G>(p, stride, head, first_slot, n, slot_stride, acc);
+      done = true;
+    }
+  };
+  switch (group) {
+    case 1: run(std::integral_constant<int64_t, 1>{}); break;
+    case 2: run(std::integral_constant<int64_t, 2>{}); break;
+    case 3: run(std::integral_constant<int64_t, 3>{}); break;
+    case 4: run(std::integral_constant<int64_t, 4>{}); break;
+    case 5: run(std::integral_constant<int64_t, 5>{}); break;
+    case 6: run(std::integral_constant<int64_t, 6>{}); break;
+    default: break;
+  }
+  return done;
+}
+#endif
+
 // In place: scores = softmax(scores).
 inline void softmax(float* scores, int64_t n) {
   const float top = *std::max_element(scores, scores + n);
@@ -116,6 +232,18 @@ inline void softmax(float* scores, int64_t n) {
   for (int64_t t = 0; t < n; ++t) scores[t] *= inv;
 }
 
+// Asks for the rows of one KV head in the request's next block while this one is read
+// (the pool's blocks are scattered, so the hardware prefetcher cannot guess them).
+template <typename T, int64_t Dim>
+inline void prefetch_block(const T* head, const int32_t* blocks, int64_t b, int64_t num_blocks,
+                           int64_t bs, int64_t slot_stride) {
+  if (b + 1 >= num_blocks) return;
+  const char* first = reinterpret_cast<const char*>(head + int64_t(blocks[b + 1]) * bs * slot_stride);
+  for (int64_t o = 0; o < bs; ++o)
+    for (int64_t line = 0; line < int64_t(Dim * sizeof(T)); line += 64)
+      __builtin_prefetch(first + o * slot_stride * int64_t(sizeof(T)) + line);
+}
+
 // One request, one KV head: its `group` query heads attend over seq_len tokens, a block
 // at a time. Dim is head_dim when known at compile time (loops then unroll), else 0.
 template <typename T, int64_t Dim>
@@ -125,11 +253,21 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int64_t bs = s.block_size, slot_stride = s.kv_heads * dim;
   const T* k_head = k_cache + kv_head * dim;
   const T* v_head = v_cache + kv_head * dim;
+  const int64_t num_blocks = (seq_len + bs - 1) / bs;
   w.reserve(group, dim, bs, seq_len);
   for (int64_t i = 0; i < group * dim; ++i) w.q[i] = widen(q[kv_head * group * dim + i]) * scale;
 
   for (int64_t start = 0, b = 0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
+#if TESSERA_AVX512
+    if constexpr (Dim > 0 && Dim % 16 == 0) {
+      prefetch_block<T, Dim>(k_head, blocks, b, num_blocks, bs, slot_stride);
+      for (int64_t o = 0; o < n; o += 16)
+        score16<T, Dim>(w.q, group, k_head, int64_t(blocks[b]) * bs + o, std::min<int64_t>(16, n - o),
+                        slot_stride, w.parts, w.scores + start + o, seq_len);
+      continue;
+    }
+#endif
     widen_rows<T, Dim>(k_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, w.rows);
     for (int64_t g = 0; g < group; ++g)
       dot_rows<Dim>(w.q + g * dim, w.rows, n, dim, w.scores + g * seq_len + start);
@@ -139,6 +277,14 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   std::fill(w.acc, w.acc + group * dim, 0.f);
   for (int64_t start = 0, b = 0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
+#if TESSERA_AVX512
+    if constexpr (Dim > 0 && Dim % 16 == 0) {
+      prefetch_block<T, Dim>(v_head, blocks, b, num_blocks, bs, slot_stride);
+      if (weigh_block_any<T, Dim>(w.scores + start, seq_len, group, v_head,
+                                  int64_t(blocks[b]) * bs, n, slot_stride, w.acc))
+        continue;
+    }
+#endif
     widen_rows<T, Dim>(v_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, w.rows);
     for (int64_t g = 0; g < group; ++g)
       weigh_rows<Dim>(w.scores + g * seq_len + start, w.rows, n, dim, w.acc + g * dim);
