@@ -1,8 +1,8 @@
 """C++ sources of the CPU kernels, built at first use with the system compiler.
 
-Each source is compiled once per source, flags and CPU level into Tessera's cache
-directory (`kernels/<stem>-<digest>.so`, written to a temp file and renamed into
-place, older builds of the same stem pruned) and loaded through ctypes. `build()`
+Each source is compiled once per source (with the local headers it includes), flags
+and CPU level into Tessera's cache directory (`kernels/<stem>-<digest>.so`, written to
+a temp file and renamed into place, older builds of the same stem pruned) and loaded through ctypes. `build()`
 raises OSError or CalledProcessError where it cannot; callers fall back to torch.
 """
 
@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -36,11 +37,18 @@ def compile_flags() -> list[str]:
 def build(source: Path) -> ctypes.CDLL:
     """The library built from `source` (built now unless a build of it is cached)."""
     flags = compile_flags()
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_text(source) + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
     if not target.exists():
         _compile(source, target, flags)
     return ctypes.CDLL(str(target))
+
+
+def _text(source: Path) -> bytes:
+    """The source and the local headers it includes (`#include "name.h"`), as built."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return text + b"".join(_text(source.with_name(h.decode())) for h in headers)
 
 
 def _compile(source: Path, target: Path, flags: list[str]) -> None:

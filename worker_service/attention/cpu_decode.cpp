@@ -8,9 +8,9 @@
 //   block_table  [num_reqs_in_step, table_stride] int32; seq_lens [num_reqs_in_step] int32
 // Query head h attends with KV head h / (heads / kv_heads), as HF's repeat_kv. Scores,
 // softmax and the weighted sum are float32; bf16 inputs are widened exactly and the output
-// rounded to nearest even. Built for AVX-512 (head sizes that are multiples of 16), the
-// scores of 16 rows are summed by one transposing tree and the weighted sum keeps its
-// accumulators in registers; elsewhere portable loops the compiler vectorizes.
+// rounded to nearest even. Built for AVX-512 or AVX2 (cpu_simd.h; head sizes a multiple of
+// the vector width), the scores of a vector's worth of rows are summed by one transposing
+// tree and the weighted sum keeps its accumulators in registers; elsewhere portable loops.
 
 #include <algorithm>
 #include <cmath>
@@ -19,10 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define TESSERA_AVX512 1
-#endif
+#include "cpu_simd.h"
 
 // glibc's vector expf (libmvec): lets the softmax loop vectorize without -ffast-math.
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
@@ -51,7 +48,7 @@ struct Shape {
 
 // Per-thread float32 buffers: the scaled queries, the accumulators, one block's widened
 // K or V rows, and the scores of the group's query heads over the whole sequence.
-// `parts` holds, per query head, 16 rows' lane-wise partial dot products (AVX-512 path).
+// `parts` holds, per query head, W rows' lane-wise products (the SIMD paths, W <= 16).
 struct Scratch {
   std::vector<float> buf;
   float *q, *acc, *rows, *scores, *parts;
@@ -111,96 +108,64 @@ inline void weigh_rows(const float* __restrict p, const float* __restrict rows, 
   }
 }
 
-#if TESSERA_AVX512
-// 16 float32 lanes from 16 elements (bf16 widened exactly).
-inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
-inline __m512 load16(const uint16_t* src) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// Adds lanes pairwise across a and b: lane i = a_or_b[lo[i]] + a_or_b[hi[i]].
-inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
-}
-
-// Lane i of the result = the sum of the 16 lanes of v[i]: a transposing tree of 15 folds
-// instead of 16 separate horizontal sums.
-inline __m512 sum_lanes16(const float* v) {
-  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-  const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i hi1 = _mm512_add_epi32(lo1, _mm512_set1_epi32(8));
-  const __m512i hi2 = _mm512_add_epi32(lo2, _mm512_set1_epi32(4));
-  const __m512i hi3 = _mm512_add_epi32(lo3, _mm512_set1_epi32(2));
-  const __m512i hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(1));
-  __m512 w[8], x[4], y[2];
-  for (int j = 0; j < 8; ++j)
-    w[j] = fold(_mm512_loadu_ps(v + 32 * j), _mm512_loadu_ps(v + 32 * j + 16), lo1, hi1);
-  for (int j = 0; j < 4; ++j) x[j] = fold(w[2 * j], w[2 * j + 1], lo2, hi2);
-  for (int j = 0; j < 2; ++j) y[j] = fold(x[2 * j], x[2 * j + 1], lo3, hi3);
-  return fold(y[0], y[1], lo4, hi4);
-}
-
-// scores[g * stride + o] = q[g] . row o, for the n <= 16 rows of one KV head starting at
-// slot first_slot; q is [group, Dim] float32.
+#if TESSERA_SIMD
+// scores[g * stride + o] = q[g] . row o, for the n <= W rows of one KV head starting at
+// slot first_slot; q is [group, Dim] float32. The W rows' lane-wise products go through
+// `parts` ([group, W, W]) to one transposing sum per query head.
 template <typename T, int64_t Dim>
-inline void score16(const float* q, int64_t group, const T* head, int64_t first_slot,
-                    int64_t n, int64_t slot_stride, float* parts, float* scores,
-                    int64_t stride) {
-  constexpr int64_t V = Dim / 16;
-  for (int64_t o = 0; o < 16; ++o) {
+inline void score_rows(const float* q, int64_t group, const T* head, int64_t first_slot,
+                       int64_t n, int64_t slot_stride, float* parts, float* scores,
+                       int64_t stride) {
+  constexpr int64_t W = Simd::W, V = Dim / W;
+  for (int64_t o = 0; o < W; ++o) {
     if (o >= n) {
-      for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(parts + g * 256 + o * 16, _mm512_setzero_ps());
+      for (int64_t g = 0; g < group; ++g) Simd::store(parts + (g * W + o) * W, Simd::zero());
       continue;
     }
     const T* src = head + (first_slot + o) * slot_stride;
-    __m512 k[V];
-    for (int64_t j = 0; j < V; ++j) k[j] = load16(src + 16 * j);
+    typename Simd::V k[V];
+    for (int64_t j = 0; j < V; ++j) k[j] = Simd::load(src + W * j);
     for (int64_t g = 0; g < group; ++g) {
-      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + g * Dim), k[0]);
-      for (int64_t j = 1; j < V; ++j) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * Dim + 16 * j), k[j], dot);
-      _mm512_storeu_ps(parts + g * 256 + o * 16, dot);
+      typename Simd::V dot = Simd::mul(Simd::load(q + g * Dim), k[0]);
+      for (int64_t j = 1; j < V; ++j) dot = Simd::fma(Simd::load(q + g * Dim + W * j), k[j], dot);
+      Simd::store(parts + (g * W + o) * W, dot);
     }
   }
-  const __mmask16 mask = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   for (int64_t g = 0; g < group; ++g)
-    _mm512_mask_storeu_ps(scores + g * stride, mask, sum_lanes16(parts + g * 256));
+    Simd::store_first(scores + g * stride, Simd::sum_lanes(parts + g * W * W), n);
 }
 
 // acc[g] += sum over the n rows o of one KV head (from slot first_slot) of
 // p[g * stride + o] * row o, for each of the G query heads g; acc is [G, Dim] float32 and
-// stays in registers across the rows (G * Dim / 16 <= 24 vectors).
+// stays in registers across the rows.
 template <typename T, int64_t Dim, int64_t G>
 inline void weigh_block(const float* p, int64_t stride, const T* head, int64_t first_slot,
                         int64_t n, int64_t slot_stride, float* acc) {
-  constexpr int64_t V = Dim / 16;
-  __m512 a[G][V];
+  constexpr int64_t W = Simd::W, V = Dim / W;
+  typename Simd::V a[G][V];
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < V; ++j) a[g][j] = _mm512_loadu_ps(acc + g * Dim + 16 * j);
+    for (int64_t j = 0; j < V; ++j) a[g][j] = Simd::load(acc + g * Dim + W * j);
   for (int64_t o = 0; o < n; ++o) {
     const T* src = head + (first_slot + o) * slot_stride;
-    __m512 v[V];
-    for (int64_t j = 0; j < V; ++j) v[j] = load16(src + 16 * j);
+    typename Simd::V v[V];
+    for (int64_t j = 0; j < V; ++j) v[j] = Simd::load(src + W * j);
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * stride + o]);
-      for (int64_t j = 0; j < V; ++j) a[g][j] = _mm512_fmadd_ps(pg, v[j], a[g][j]);
+      const typename Simd::V pg = Simd::set1(p[g * stride + o]);
+      for (int64_t j = 0; j < V; ++j) a[g][j] = Simd::fma(pg, v[j], a[g][j]);
     }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < V; ++j) _mm512_storeu_ps(acc + g * Dim + 16 * j, a[g][j]);
+    for (int64_t j = 0; j < V; ++j) Simd::store(acc + g * Dim + W * j, a[g][j]);
 }
 
-// weigh_block for a run-time group size; false where there is no register-held variant.
+// weigh_block for a run-time group size; false where its sums would not fit in registers.
 template <typename T, int64_t Dim>
 inline bool weigh_block_any(const float* p, int64_t stride, int64_t group, const T* head,
                             int64_t first_slot, int64_t n, int64_t slot_stride, float* acc) {
-  constexpr int64_t V = Dim / 16;
   bool done = false;
   auto run = [&](auto g) {
     constexpr int64_t G = decltype(g)::value;
-    if constexpr (G * V <= 24) {
+    if constexpr (G * (Dim / Simd::W) <= Simd::kAccRegs) {
       weigh_block<T, Dim, G>(p, stride, head, first_slot, n, slot_stride, acc);
       done = true;
     }
@@ -259,12 +224,13 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
 
   for (int64_t start = 0, b = 0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
-#if TESSERA_AVX512
-    if constexpr (Dim > 0 && Dim % 16 == 0) {
+#if TESSERA_SIMD
+    if constexpr (Dim > 0 && Dim % Simd::W == 0) {
       prefetch_block<T, Dim>(k_head, blocks, b, num_blocks, bs, slot_stride);
-      for (int64_t o = 0; o < n; o += 16)
-        score16<T, Dim>(w.q, group, k_head, int64_t(blocks[b]) * bs + o, std::min<int64_t>(16, n - o),
-                        slot_stride, w.parts, w.scores + start + o, seq_len);
+      for (int64_t o = 0; o < n; o += Simd::W)
+        score_rows<T, Dim>(w.q, group, k_head, int64_t(blocks[b]) * bs + o,
+                           std::min(Simd::W, n - o), slot_stride, w.parts,
+                           w.scores + start + o, seq_len);
       continue;
     }
 #endif
@@ -277,8 +243,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   std::fill(w.acc, w.acc + group * dim, 0.f);
   for (int64_t start = 0, b = 0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
-#if TESSERA_AVX512
-    if constexpr (Dim > 0 && Dim % 16 == 0) {
+#if TESSERA_SIMD
+    if constexpr (Dim > 0 && Dim % Simd::W == 0) {
       prefetch_block<T, Dim>(v_head, blocks, b, num_blocks, bs, slot_stride);
       if (weigh_block_any<T, Dim>(w.scores + start, seq_len, group, v_head,
                                   int64_t(blocks[b]) * bs, n, slot_stride, w.acc))
