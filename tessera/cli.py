@@ -26,6 +26,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     add_kernel_args(p)
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool budget on CPU, e.g. 2GiB")
+    p.add_argument(
+        "--worker-threads", type=int, default=0, help="the worker's torch CPU threads; 0: all cores"
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -70,7 +73,8 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--host", "127.0.0.1", "--port", str(args.worker_port), "--block-size", str(args.block_size),
         "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--num-threads", str(args.worker_threads), *common,
     ]  # fmt: skip
     scheduler = [
         py, "-m", "scheduler_service", "--worker", worker_addr, "--host", "127.0.0.1",
