@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import torch
 
@@ -53,6 +54,7 @@ class Worker:
             architecture=arch.architecture,
             dtype=config.model.dtype,
             device=str(self.device),
+            instance_id=uuid.uuid4().hex,  # new on every start: the scheduler spots a restart
         )
         log.info(
             "loaded %s (%s, %s) on %s, attention backend %s",
@@ -76,6 +78,10 @@ class Worker:
         return kv_cache.cpu_kv_budget(self.config.cache.kv_cache_memory_bytes)
 
     def initialize_cache(self, num_blocks: int) -> int:
+        """Allocate the KV pool; a (re)connecting scheduler starts a fresh session, so the
+        requests an earlier scheduler left in the batch are dropped."""
+        for request_id in list(self.runner.input_batch.requests):
+            self.runner.input_batch.remove(request_id)
         allocated = self.runner.initialize_cache(num_blocks)
         log.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB",
