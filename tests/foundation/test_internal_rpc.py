@@ -40,6 +40,16 @@ class Flaky(engine_pb2_grpc.EngineCoreServicer):
         await self._maybe_fail("Abort", context)
         return engine_pb2.AbortResponse(num_aborted=1)
 
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._maybe_fail("GetServerInfo", context)
+        return engine_pb2.ServerInfo(model_name="flaky")
+
+    async def GenerateStream(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        await self._maybe_fail("GenerateStream", context)
+        yield engine_pb2.EngineCoreOutputs()
+
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await self._maybe_fail("Generate", context)
         yield engine_pb2.EngineCoreOutput(request_id=request.request_id)
