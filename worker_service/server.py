@@ -1,7 +1,8 @@
 """The `tessera.v1.Worker` gRPC service around any WorkerProtocol implementation.
 
 Health: NOT_SERVING until InitializeCache has allocated the KV pool, SERVING after
-(and NOT_SERVING again after Shutdown). A step before InitializeCache fails with
+(NOT_SERVING again from the next handshake's DetermineAvailableMemory, which releases
+the pool, and after Shutdown). A step before InitializeCache fails with
 FAILED_PRECONDITION, which the scheduler reads as "this worker lost its state".
 """
 
@@ -57,6 +58,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def DetermineAvailableMemory(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
+        await self._report(False)  # a handshake starts: the worker releases its old pool
         available = await self._run(self.worker.determine_available_memory)
         return worker_pb2.AvailableMemory(available_bytes=available)
 

@@ -72,7 +72,10 @@ class Worker:
         return self.runner.spec
 
     def determine_available_memory(self) -> int:
-        """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner)."""
+        """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner).
+        A handshake is starting, so a pool an earlier scheduler had is released first (it
+        would count as used memory)."""
+        self._release_pool()
         if self.device.type == "cuda":
             return self.runner.profile_gpu_memory(self.config.cache.gpu_memory_utilization)
         return kv_cache.cpu_kv_budget(self.config.cache.kv_cache_memory_bytes)
@@ -82,6 +85,7 @@ class Worker:
         requests an earlier scheduler left in the batch are dropped."""
         for request_id in list(self.runner.input_batch.requests):
             self.runner.input_batch.remove(request_id)
+        self._release_pool()  # never two pools at once
         allocated = self.runner.initialize_cache(num_blocks)
         log.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB",
@@ -90,6 +94,11 @@ class Worker:
             allocated / 2**20,
         )
         return allocated
+
+    def _release_pool(self) -> None:
+        if self.runner.num_blocks:
+            kv_cache.release(self.runner.model)
+            self.runner.num_blocks = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner.num_blocks == 0 and scheduler_output.num_scheduled_tokens:
