@@ -172,10 +172,24 @@ class EngineClient:
         await self._channel.close()
 
     def generate(self, request: EngineCoreRequest) -> EngineStream:
-        """Submit `request` on the shared session; iterate the result until an update is finished."""
+        """Submit `request` on the shared session; iterate the result until an update is finished.
+
+        Raises ServiceUnavailable at once while the scheduler is known to be down (the
+        channel failed to connect, or its last health answer was NOT_SERVING); a scheduler
+        that is up but not serving refuses the request itself (UNAVAILABLE), so a new
+        request never waits for a scheduler that cannot take it."""
+        self._check_available()
         if self._session is None or self._session.broken:
             self._session = _Session(self._stub)
         return self._session.submit(request)
+
+    def _check_available(self) -> None:
+        state = self._channel.get_state(try_to_connect=True)
+        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+            raise ServiceUnavailable("the engine is unavailable: the scheduler cannot be reached")
+        checked_at, ok = self._health_cache
+        if not ok and checked_at and time.monotonic() - checked_at < HEALTH_CACHE_S:
+            raise ServiceUnavailable("the engine is unavailable: the scheduler is not serving")
 
     async def abort(self, request_ids: Sequence[str]) -> int:
         """Abort requests by id; returns how many the scheduler found."""

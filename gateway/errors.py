@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 
+RETRY_AFTER_S = 1  # the Retry-After of a 503
+
 
 class ApiError(Exception):
     """An error reported to the client."""
@@ -27,6 +29,10 @@ class ApiError(Exception):
         self.param = param
         if code is not None:
             self.code = code
+
+    def headers(self) -> dict[str, str]:
+        """Extra HTTP headers of the error response."""
+        return {}
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
@@ -88,6 +94,9 @@ class ServiceUnavailable(ApiError):
     type = "service_unavailable"
     code = "service_unavailable"
     grpc_code = grpc.StatusCode.UNAVAILABLE
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)}  # the services come back by themselves
 
 
 class EngineError(ApiError):

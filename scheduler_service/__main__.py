@@ -14,7 +14,7 @@ from scheduler_service.engine import EngineCore
 from scheduler_service.service import EngineCoreServer
 from scheduler_service.worker_client import GrpcWorkerClient
 from services.config import CacheConfig, SchedulerConfig
-from services.grpc_utils import check_health, set_internal_security
+from services.grpc_utils import health_status, set_internal_security
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
 
@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--worker-wait-s",
         type=float,
         default=600.0,
-        help="how long to wait at start for the workers to report SERVING",
+        help="how long to wait at start for the workers to answer",
     )
     p.add_argument(
         "--step-timeout-s",
@@ -101,10 +101,11 @@ def configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:
 
 
 def wait_for_workers(addresses: Sequence[str], timeout_s: float) -> None:
-    """Block until every worker reports SERVING; TimeoutError after `timeout_s`."""
+    """Block until every worker answers its health check (model loaded; it reports SERVING
+    only after our KV handshake); TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     for address in addresses:
-        while not check_health(address, timeout_s=2.0):
+        while health_status(address, timeout_s=2.0) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {address} did not report SERVING in {timeout_s:.0f}s")
             time.sleep(0.5)

@@ -34,6 +34,7 @@ from services.worker_api import WorkerProtocol
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+WORKER_LOST = "the worker was lost/restarted"  # the error of requests a lost worker ends
 PROTOCOL_VERSION = "tessera.v1"
 
 
@@ -51,21 +52,7 @@ class EngineCore:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.workers = list(workers)
-        self.model_info = workers[0].get_model_info()
-        specs = [w.get_kv_cache_spec() for w in self.workers]
-        self.kv_spec = _common_kv_spec(specs)
-        self.num_blocks = self._decide_num_blocks(specs)
-        for worker in self.workers:
-            worker.initialize_cache(self.num_blocks)
-        self.max_model_len = self._usable_model_len()
-        self.scheduler = Scheduler(
-            scheduler_config,
-            num_blocks=self.num_blocks,
-            block_size=self.kv_spec.block_size,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.model_info.eos_token_ids,
-            enable_prefix_caching=cache_config.enable_prefix_caching,
-        )
+        self._handshake()
         self._pool = ThreadPoolExecutor(len(self.workers)) if len(self.workers) > 1 else None
         self.step_times: deque[float] = deque(maxlen=256)
         self.healthy = True
@@ -74,6 +61,48 @@ class EngineCore:
         self._last_commit = 0.0
 
     # ---- handshake ------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        """Model info, KV spec, memory, InitializeCache on every worker, then a fresh
+        scheduler (empty queues, free pool, empty prefix cache). At start and after a
+        worker was lost or restarted."""
+        self.model_info = self.workers[0].get_model_info()
+        specs = [w.get_kv_cache_spec() for w in self.workers]
+        self.kv_spec = _common_kv_spec(specs)
+        self.num_blocks = self._decide_num_blocks(specs)
+        for worker in self.workers:
+            worker.initialize_cache(self.num_blocks)
+        self.max_model_len = self._usable_model_len()
+        self.scheduler = Scheduler(
+            self.scheduler_config,
+            num_blocks=self.num_blocks,
+            block_size=self.kv_spec.block_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.model_info.eos_token_ids,
+            enable_prefix_caching=self.cache_config.enable_prefix_caching,
+        )
+
+    def lose_workers(self, error: str) -> list[EngineCoreOutput]:
+        """A worker was lost or restarted: unhealthy until `reconnect`; every request ends
+        with ERROR `error` (their blocks are freed); returns those updates."""
+        self.healthy = False
+        self._in_flight = None
+        for worker in self.workers:
+            reset = getattr(worker, "reset_stream", None)
+            if reset is not None:
+                reset()  # steps of the old session must not reach a new worker
+        return self.scheduler.fail_all(error)
+
+    def reconnect(self) -> None:
+        """After `lose_workers`: repeat the handshake (the new KV pools are empty) and serve
+        again. Raises what the handshake raises (the engine stays unhealthy then)."""
+        old = self.model_info.instance_id
+        self._handshake()
+        log.warning(
+            "reconnected to the workers (rank 0 instance %s -> %s): %d blocks",
+            old or "?", self.model_info.instance_id or "?", self.num_blocks,
+        )  # fmt: skip
+        self.healthy = True
 
     def _decide_num_blocks(self, specs: list[KVCacheSpec]) -> int:
         """num_blocks_override, else the fewest blocks any worker can hold."""
@@ -198,12 +227,11 @@ class EngineCore:
         try:
             runner_output = wait()
         except WorkerUnavailableError as exc:
-            self.healthy = False
-            self._in_flight = None
             log.error("worker unreachable: %s", exc)
-            outputs = self.scheduler.fail_step(scheduler_output, str(exc))
-            outputs += self.scheduler.fail_all(str(exc))
-            raise WorkerLostError(str(exc), outputs) from exc
+            error = f"{WORKER_LOST}: {exc}"
+            outputs = self.scheduler.fail_step(scheduler_output, error)
+            outputs += self.lose_workers(error)
+            raise WorkerLostError(error, outputs) from exc
         except Exception as exc:
             log.exception("step %d failed", scheduler_output.step_id)
             return self.scheduler.fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")

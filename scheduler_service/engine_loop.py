@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from scheduler_service.engine import EngineCore
+from scheduler_service.engine import WORKER_LOST, EngineCore
 from scheduler_service.errors import WorkerLostError
 from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason
 
@@ -33,6 +33,15 @@ Publish = Callable[[list[EngineCoreOutput]], None]
 class _Abort:
     request_ids: Sequence[str]
     done: Future[int] = field(default_factory=Future)
+
+
+@dataclass
+class _Recover:
+    reason: str
+    done: Future[bool] = field(default_factory=Future)
+
+
+_Command = EngineCoreRequest | _Abort | _Recover
 
 
 class EngineLoop:
@@ -48,7 +57,7 @@ class EngineLoop:
         self._publish = publish
         self._on_health_change = on_health_change
         self._cond = threading.Condition()
-        self._inbox: list[EngineCoreRequest | _Abort] = []
+        self._inbox: list[_Command] = []
         self._stopping = False
         self._held: list[EngineCoreOutput] = []  # updates not yet published
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -79,6 +88,13 @@ class EngineLoop:
         self._post(command)
         return command.done
 
+    def recover(self, reason: str) -> Future[bool]:
+        """Reconnect to the workers between steps (EngineCore.reconnect): every request
+        ends with ERROR, the handshake is repeated; the future tells whether it worked."""
+        command = _Recover(reason)
+        self._post(command)
+        return command.done
+
     def stop(self, timeout_s: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
@@ -86,7 +102,7 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    def _post(self, command: EngineCoreRequest | _Abort) -> None:
+    def _post(self, command: _Command) -> None:
         with self._cond:
             self._inbox.append(command)
             self._cond.notify()
@@ -117,7 +133,7 @@ class EngineLoop:
             outputs, self._held = self._held, []
             self._publish(outputs)
 
-    def _wait_for_work(self) -> list[EngineCoreRequest | _Abort] | None:
+    def _wait_for_work(self) -> list[_Command] | None:
         """Block until a command arrives or requests are unfinished; None when stopping."""
         with self._cond:
             while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
@@ -127,13 +143,15 @@ class EngineLoop:
             commands, self._inbox = self._inbox, []
             return commands
 
-    def _apply(self, commands: list[EngineCoreRequest | _Abort]) -> list[EngineCoreOutput]:
+    def _apply(self, commands: list[_Command]) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         for command in commands:
             if isinstance(command, _Abort):
                 aborted = self.engine.abort_requests(command.request_ids)
                 outputs += aborted
                 command.done.set_result(len(aborted))
+            elif isinstance(command, _Recover):
+                outputs += self._recover(command)
             else:
                 outputs += self._add(command)
         return outputs
@@ -146,6 +164,16 @@ class EngineLoop:
         except ValueError as exc:
             return [_error_output(request.request_id, str(exc))]
         return []
+
+    def _recover(self, command: _Recover) -> list[EngineCoreOutput]:
+        outputs = self.engine.lose_workers(f"{WORKER_LOST}: {command.reason}")
+        try:
+            self.engine.reconnect()
+        except Exception as exc:  # the worker went away again: still unhealthy, retried later
+            log.warning("reconnecting to the workers failed: %s: %s", type(exc).__name__, exc)
+        command.done.set_result(self.engine.healthy)
+        self._on_health_change()
+        return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
         try:
@@ -160,6 +188,8 @@ class EngineLoop:
         for command in pending:
             if isinstance(command, _Abort) and not command.done.done():
                 command.done.set_result(0)
+            elif isinstance(command, _Recover) and not command.done.done():
+                command.done.set_result(False)
 
 
 def _error_output(request_id: str, error: str) -> EngineCoreOutput:

@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from scheduler_service.engine import EngineCore
 from scheduler_service.engine_loop import EngineLoop
 from scheduler_service.output_stream import OutputStream
 from scheduler_service.session import Session
 from services.convert import from_proto, to_proto
-from services.grpc_utils import GrpcServer, Registration, check_health
+from services.grpc_utils import GrpcServer, Registration, health_status
 from services.log import request_id_var
 from services.pb import engine_pb2, engine_pb2_grpc
 from services.types import EngineCoreOutput, EngineCoreRequest
@@ -36,6 +37,7 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
@@ -196,9 +198,10 @@ def request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineCoreRequest:
 class EngineCoreServer:
     """The EngineCore gRPC server: servicer, engine thread, health and worker probes.
 
-    Health is SERVING while the engine thread runs, no worker was lost mid-step
-    (that is final: the workers' state is unknown) and every worker address
-    answers its own health check (probed every `probe_interval_s`).
+    Health is SERVING while the engine thread runs, no worker was lost and every
+    worker reports SERVING (probed every `probe_interval_s`). A lost or restarted
+    worker ends every request with ERROR; once the workers answer again the
+    scheduler repeats the KV handshake and serves again (see `_probe_workers`).
     """
 
     def __init__(
@@ -263,13 +266,33 @@ class EngineCoreServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _probe_workers(self) -> None:
+        """Every `probe_interval_s`: read each worker's health; once every worker answers
+        again after one was lost (or one answers NOT_SERVING: it restarted and has no KV
+        cache), reconnect (EngineCore.reconnect) and serve again."""
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            results = await asyncio.gather(
-                *(asyncio.to_thread(check_health, a, "", 1.0) for a in self.worker_addresses)
+            statuses = await asyncio.gather(
+                *(asyncio.to_thread(health_status, a, "", 1.0) for a in self.worker_addresses)
             )
-            answer = all(results)
-            if answer != self.servicer.workers_answer:
-                log.warning("workers %s", "answer again" if answer else "do not answer")
-            self.servicer.workers_answer = answer
+            ready = all(s == _SERVING for s in statuses)
+            if ready != self.servicer.workers_answer:
+                log.warning("workers %s", "answer again" if ready else "are down or restarted")
+            self.servicer.workers_answer = ready
             await self.refresh_health()
+            up = all(s is not None for s in statuses)
+            loop = self.servicer.loop
+            if up and loop.alive and not (ready and loop.healthy):
+                await self._recover(statuses)
+
+    async def _recover(self, statuses: Sequence[int | None]) -> None:
+        """Reconnect on the engine thread; health turns SERVING again when it worked."""
+        restarted = [
+            a for a, s in zip(self.worker_addresses, statuses, strict=True) if s != _SERVING
+        ]
+        reason = f"worker {', '.join(restarted)} restarted" if restarted else "a worker was lost"
+        log.warning("%s: ending every request and repeating the KV handshake", reason)
+        ok = await asyncio.wrap_future(self.servicer.loop.recover(reason))
+        self.servicer.workers_answer = ok
+        await self.refresh_health()
+        if ok:
+            log.warning("serving again after %s", reason)

@@ -13,9 +13,15 @@ from services.grpc_utils import check_health, sync_channel
 from services.pb import worker_pb2, worker_pb2_grpc
 from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, SchedulerOutput
 
-# Status codes that mean "the worker is not there", not "the step failed in it".
+# Status codes that mean "the worker is not there" (or restarted: FAILED_PRECONDITION is a
+# worker without a KV cache), not "the step failed in it".
 _TRANSPORT_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
 )
 
 
@@ -84,6 +90,12 @@ class GrpcWorkerClient:
                 self._stub.ExecuteModelStream, self.address, self.step_timeout_s, self._error_of
             )
         return self._stream.submit(scheduler_output)
+
+    def reset_stream(self) -> None:
+        """Close the step stream; the next step opens a new one (after a reconnect)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.submit_model(scheduler_output).result()

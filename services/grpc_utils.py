@@ -10,6 +10,7 @@ internal one, set once at start-up by `set_internal_security`.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -37,9 +38,37 @@ SERVER_OPTIONS = [  # GrpcServer adds grpc.max_receive_message_length
     ("grpc.so_reuseport", 0),
     *_KEEPALIVE,
 ]
+# Idempotent internal unary calls, retried on UNAVAILABLE (a restarting peer) by gRPC itself.
+IDEMPOTENT_METHODS = {
+    "tessera.v1.EngineCore": ("GetServerInfo", "GetStats", "Abort"),
+    "tessera.v1.Worker": ("GetModelInfo", "GetKVCacheSpec"),
+    "grpc.health.v1.Health": ("Check",),
+}
+RETRY_POLICY = {
+    "maxAttempts": 3,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [
+                {"service": svc, "method": m} for svc, ms in IDEMPOTENT_METHODS.items() for m in ms
+            ],
+            "retryPolicy": RETRY_POLICY,
+        }
+    ]
+}
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
+    # A restarted peer is found again within ~2 s (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
     *_KEEPALIVE,
 ]
 
@@ -279,13 +308,27 @@ def check_health(
     security: SecurityConfig | None = None,
 ) -> bool:
     """True when the server at `address` reports SERVING for `service` ("" = the whole server)."""
+    status = health_status(address, service, timeout_s, security=security)
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def health_status(
+    address: str,
+    service: str = "",
+    timeout_s: float = 2.0,
+    *,
+    security: SecurityConfig | None = None,
+) -> int | None:
+    """The grpc.health.v1 status the server at `address` reports for `service`, or None when
+    it does not answer (a server that answers NOT_SERVING is up, e.g. a worker waiting for
+    its KV handshake)."""
     with sync_channel(address, security=security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+            return None
+    return int(reply.status)
 
 
 def _bearer(token: str) -> tuple[str, str]:

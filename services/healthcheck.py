@@ -7,7 +7,7 @@ import argparse
 import sys
 import urllib.request
 
-from services.grpc_utils import check_health
+from services.grpc_utils import check_health, health_status
 
 
 def http_healthy(url: str, timeout_s: float) -> bool:
@@ -24,8 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", help="HOST:PORT for grpc, a URL for http")
     parser.add_argument("--service", default="", help="gRPC service name ('' = whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument(
+        "--up",
+        action="store_true",
+        help="grpc: healthy when the server answers at all, NOT_SERVING included (a worker "
+        "waiting for the scheduler's KV handshake)",
+    )
     args = parser.parse_args(argv)
-    if args.kind == "grpc":
+    if args.kind == "grpc" and args.up:
+        ok = health_status(args.target, args.service, args.timeout) is not None
+    elif args.kind == "grpc":
         ok = check_health(args.target, args.service, args.timeout)
     else:
         ok = http_healthy(args.target, args.timeout)

@@ -97,6 +97,7 @@ class ModelInfo:
     architecture: str = ""
     dtype: str = ""
     device: str = ""
+    instance_id: str = ""  # new on every worker start
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import sys
 
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
-from tessera.launcher import Launcher, Service, grpc_ok, http_ok
+from tessera.launcher import Launcher, Service, grpc_ok, grpc_up, http_ok
 from worker_service.cpu_kernels import add_kernel_args
 
 
@@ -94,7 +94,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
     gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
     return [
-        Service("worker", worker, grpc_ok(worker_addr), env),
+        Service("worker", worker, grpc_up(worker_addr), env),
         Service("scheduler", scheduler, grpc_ok(scheduler_addr), env),
         Service(
             "gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 
-from services.grpc_utils import check_health
+from services.grpc_utils import check_health, health_status
 from services.healthcheck import http_healthy
 
 BACKOFF_FIRST_S = 1.0
@@ -117,6 +117,12 @@ def http_ok(url: str) -> Callable[[], bool]:
 def grpc_ok(address: str) -> Callable[[], bool]:
     """A readiness probe: grpc.health.v1 reports SERVING."""
     return lambda: check_health(address)
+
+
+def grpc_up(address: str) -> Callable[[], bool]:
+    """A readiness probe: grpc.health.v1 answers, SERVING or not (a worker is NOT_SERVING
+    until the scheduler's KV handshake, which needs the worker up first)."""
+    return lambda: health_status(address) is not None
 
 
 class Launcher:

@@ -89,8 +89,8 @@ async def serve(config: WorkerConfig, address: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = build_server(address, worker, on_shutdown=lambda: _set_soon(loop, stop))
+    await server.set_serving(False)  # SERVING once the scheduler's InitializeCache is done
     await server.start()
-    await server.set_serving(True)
     log.info("worker serving on %s:%d", address.rsplit(":", 1)[0], server.port)
     await stop.wait()
     log.info("stopping")

@@ -1,10 +1,16 @@
-"""The `tessera.v1.Worker` gRPC service around any WorkerProtocol implementation."""
+"""The `tessera.v1.Worker` gRPC service around any WorkerProtocol implementation.
+
+Health: NOT_SERVING until InitializeCache has allocated the KV pool, SERVING after
+(NOT_SERVING again from the next handshake's DetermineAvailableMemory, which releases
+the pool, and after Shutdown). A step before InitializeCache fails with
+FAILED_PRECONDITION, which the scheduler reads as "this worker lost its state".
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -18,6 +24,7 @@ from services.worker_api import WorkerProtocol
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+NO_CACHE = "the worker has no KV cache yet: InitializeCache must come before ExecuteModel"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -27,6 +34,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker = worker
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._on_shutdown = on_shutdown
+        self.cache_ready = False  # InitializeCache succeeded (and no Shutdown since)
+        self.set_serving: Callable[[bool], Awaitable[None]] | None = None  # set by build_server
+
+    async def _report(self, ready: bool) -> None:
+        self.cache_ready = ready
+        if self.set_serving is not None:
+            await self.set_serving(ready)
+
+    async def _require_cache(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.cache_ready:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_CACHE)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -40,14 +58,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def DetermineAvailableMemory(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
+        await self._report(False)  # a handshake starts: the worker releases its old pool
         available = await self._run(self.worker.determine_available_memory)
         return worker_pb2.AvailableMemory(available_bytes=available)
 
     async def InitializeCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._report(False)  # the old pool is gone while the new one is allocated
         allocated = await self._run(self.worker.initialize_cache, request.num_blocks)
+        await self._report(True)
         return worker_pb2.InitializeCacheResponse(allocated_bytes=allocated)
 
     async def ExecuteModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._require_cache(context)
         output = await self._run(self.worker.execute_model, from_proto(request, SchedulerOutput))
         return to_proto(output, worker_pb2.ModelRunnerOutput)
 
@@ -55,6 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         async for request in request_iterator:
+            await self._require_cache(context)
             yield await self._run(self._execute_proto, request)
 
     def _execute_proto(self, request: worker_pb2.SchedulerOutput) -> worker_pb2.ModelRunnerOutput:
@@ -69,6 +92,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return to_proto(output, worker_pb2.ModelRunnerOutput)
 
     async def Shutdown(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._report(False)
         await self._run(self.worker.shutdown)
         if self._on_shutdown is not None:
             self._on_shutdown()
@@ -79,9 +103,12 @@ def build_server(
     address: str, worker: WorkerProtocol, on_shutdown: Callable[[], None] | None = None
 ) -> GrpcServer:
     """A gRPC server (health, reflection, error statuses) serving `worker` at `address`;
-    `on_shutdown` runs after a Shutdown call has released the worker."""
+    `on_shutdown` runs after a Shutdown call has released the worker. Call
+    `set_serving(False)` before `start()`: InitializeCache turns health SERVING."""
     servicer = WorkerServicer(worker, on_shutdown)
-    return GrpcServer(
+    server = GrpcServer(
         address,
         [Registration("tessera.v1.Worker", worker_pb2_grpc.add_WorkerServicer_to_server, servicer)],
     )
+    servicer.set_serving = server.set_serving
+    return server

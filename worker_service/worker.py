@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import torch
 
@@ -53,6 +54,7 @@ class Worker:
             architecture=arch.architecture,
             dtype=config.model.dtype,
             device=str(self.device),
+            instance_id=uuid.uuid4().hex,  # new on every start: the scheduler spots a restart
         )
         log.info(
             "loaded %s (%s, %s) on %s, attention backend %s",
@@ -70,12 +72,20 @@ class Worker:
         return self.runner.spec
 
     def determine_available_memory(self) -> int:
-        """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner)."""
+        """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner).
+        A handshake is starting, so a pool an earlier scheduler had is released first (it
+        would count as used memory)."""
+        self._release_pool()
         if self.device.type == "cuda":
             return self.runner.profile_gpu_memory(self.config.cache.gpu_memory_utilization)
         return kv_cache.cpu_kv_budget(self.config.cache.kv_cache_memory_bytes)
 
     def initialize_cache(self, num_blocks: int) -> int:
+        """Allocate the KV pool; a (re)connecting scheduler starts a fresh session, so the
+        requests an earlier scheduler left in the batch are dropped."""
+        for request_id in list(self.runner.input_batch.requests):
+            self.runner.input_batch.remove(request_id)
+        self._release_pool()  # never two pools at once
         allocated = self.runner.initialize_cache(num_blocks)
         log.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB",
@@ -84,6 +94,11 @@ class Worker:
             allocated / 2**20,
         )
         return allocated
+
+    def _release_pool(self) -> None:
+        if self.runner.num_blocks:
+            kv_cache.release(self.runner.model)
+            self.runner.num_blocks = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner.num_blocks == 0 and scheduler_output.num_scheduled_tokens:

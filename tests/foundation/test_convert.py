@@ -141,6 +141,7 @@ CASES: list[Any] = [
         architecture="LlamaForCausalLM",
         dtype="bfloat16",
         device="cpu",
+        instance_id="5f0c2a",
     ),
     KVCacheSpec(
         num_layers=30,

@@ -50,7 +50,6 @@ def served() -> Iterator[Served]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     worker = FakeWorker(step_delay_s=0.02)
-    worker.initialize_cache(16)
 
     async def start() -> GrpcServer:
         server = build_server("127.0.0.1:0", worker)  # grpc.aio binds to the running loop
@@ -58,6 +57,7 @@ def served() -> Iterator[Served]:
         return server
 
     server = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    GrpcWorkerClient(f"127.0.0.1:{server.port}").initialize_cache(16)  # steps need a KV cache
     yield Served(worker, server, loop)
     asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.grpc_utils import check_health
+from services.grpc_utils import health_status
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +68,8 @@ def hf_fp32_greedy(default_model_dir: Path, eight_prompts: list[list[int]]) -> l
 
 
 def spawn_worker(*args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `python -m worker_service ARGS` on a free port; wait until it reports SERVING."""
+    """Start `python -m worker_service ARGS` on a free port; wait until it answers health
+    (NOT_SERVING: it reports SERVING only once InitializeCache allocated its KV cache)."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -78,7 +79,7 @@ def spawn_worker(*args: str) -> tuple[subprocess.Popen[bytes], str]:
         stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 180
-    while not check_health(address, timeout_s=1.0):
+    while health_status(address, timeout_s=1.0) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"worker did not start: {proc.communicate()[1].decode()[-2000:]}")
