@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 
 from gateway.server import GatewayServer
-from services.config import DEFAULT_MODEL, GatewayConfig, parse_bytes
+from services.config import DEFAULT_MODEL, ROUTINGS, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
 from services.security import API_KEY_ENV, add_security_args, security_from_args
@@ -26,7 +26,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--routing",
         default="affinity",
-        choices=["affinity", "round-robin"],
+        choices=ROUTINGS,
         help="how requests spread over engine replicas",
     )
     p.add_argument(

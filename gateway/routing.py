@@ -16,10 +16,9 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.config import ROUTINGS
 from services.prefix_hash import extend_block_hashes
 from services.types import EngineCoreRequest
-
-ROUTINGS = ("affinity", "round-robin")
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,9 @@ class WorkerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
 
 
+ROUTINGS = ("affinity", "round-robin")  # how a gateway spreads requests over engine replicas
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """The OpenAI REST front end and the public gRPC text API."""
@@ -199,7 +202,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         for address in self.scheduler_addresses:
             _require(":" in address, "scheduler addresses must be host:port")
-        _require(self.routing in ("affinity", "round-robin"), "routing: affinity or round-robin")
+        _require(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}")
         for name in ("port", "grpc_port"):
             _require(0 <= getattr(self, name) <= 65535, f"{name} must be a TCP port")
         _require(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")

@@ -9,6 +9,7 @@ import sys
 
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
+from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
 from tessera.launcher import Launcher, Service, grpc_ok, http_ok
 from worker_service.cpu_kernels import add_kernel_args
 
@@ -25,7 +26,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     add_kernel_args(p)
-    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool budget on CPU, e.g. 2GiB")
+    p.add_argument(
+        "--kv-cache-memory",
+        default="2GiB",
+        help="KV pool budget on CPU, e.g. 2GiB (split evenly over data-parallel replicas)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -49,6 +54,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--start-timeout", type=float, default=300.0, help="seconds each service may take to start"
     )
     p.add_argument("--log-level", default="INFO")
+    add_data_parallel_args(p)
     p.set_defaults(func=serve)
 
 
@@ -58,48 +64,59 @@ def internal_token() -> str:
 
 
 def build_services(args: argparse.Namespace, token: str) -> list[Service]:
-    """The three services with their flags, in start order; `token` reaches them through
-    the environment (not argv, which `ps` shows)."""
+    """The services with their flags, in start order: each engine replica's worker and
+    scheduler, then the gateway; `token` reaches them through the environment (not argv,
+    which `ps` shows)."""
     py = sys.executable
-    worker_addr = f"127.0.0.1:{args.worker_port}"
-    scheduler_addr = f"127.0.0.1:{args.scheduler_port}"
+    replicas = data_parallel_replicas(args)
     common = ["--log-level", args.log_level]
-    worker = [
-        py, "-m", "worker_service", "--model", args.model, "--dtype", args.dtype,
-        "--bf16-gemm", args.bf16_gemm, *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
-        "--host", "127.0.0.1", "--port", str(args.worker_port), "--block-size", str(args.block_size),
-        "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len),
-        "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-    ]  # fmt: skip
-    scheduler = [
-        py, "-m", "scheduler_service", "--worker", worker_addr, "--host", "127.0.0.1",
-        "--port", str(args.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-        *(["--no-prefix-caching"] if args.no_prefix_caching else []),
-    ]  # fmt: skip
+    env = {TOKEN_ENV: token}
+    services: list[Service] = []
+    for replica in replicas:
+        worker_addr = f"127.0.0.1:{replica.worker_port}"
+        scheduler_addr = f"127.0.0.1:{replica.scheduler_port}"
+        worker = [
+            py, "-m", "worker_service", "--model", args.model, "--dtype", args.dtype,
+            "--bf16-gemm", args.bf16_gemm, *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
+            "--host", "127.0.0.1", "--port", str(replica.worker_port), "--block-size", str(args.block_size),
+            "--kv-cache-memory", replica.kv_cache_memory, "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
+            *replica.worker_flags,
+        ]  # fmt: skip
+        scheduler = [
+            py, "-m", "scheduler_service", "--worker", worker_addr, "--host", "127.0.0.1",
+            "--port", str(replica.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
+            *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+        ]  # fmt: skip
+        services.append(Service(f"worker{replica.suffix}", worker, grpc_ok(worker_addr), env))
+        services.append(
+            Service(f"scheduler{replica.suffix}", scheduler, grpc_ok(scheduler_addr), env)
+        )
+    schedulers = [f"--scheduler=127.0.0.1:{r.scheduler_port}" for r in replicas]
     gateway = [
-        py, "-m", "gateway", "--scheduler", scheduler_addr, "--model", args.model,
+        py, "-m", "gateway", *schedulers, "--routing", args.routing, "--model", args.model,
         "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    env = {TOKEN_ENV: token}
     # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
     gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
-    return [
-        Service("worker", worker, grpc_ok(worker_addr), env),
-        Service("scheduler", scheduler, grpc_ok(scheduler_addr), env),
-        Service(
-            "gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env
-        ),
-    ]
+    services.append(
+        Service("gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env)
+    )
+    return services
 
 
 def serve(args: argparse.Namespace) -> int:
-    services = build_services(args, internal_token())
+    try:
+        services = build_services(args, internal_token())
+    except ValueError as exc:
+        print(f"tessera: {exc}", file=sys.stderr)
+        return 2
     url = f"http://{args.host}:{args.port}/v1"
     name = args.served_model_name or served_name(args.model)
 
