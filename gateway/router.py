@@ -271,6 +271,7 @@ class RoutedStream:
         self._request = request
         self.request_id = request.request_id
         self._tried: list[Replica] = []
+        self._produced = False  # output reached the caller: no retry elsewhere
         self._replica = replica
         self._stream = self._submit(replica)
 
@@ -312,17 +313,16 @@ class RoutedStream:
         self.cancel()
 
     async def __aiter__(self) -> AsyncIterator[EngineCoreOutput]:
-        produced = False
         while True:
             try:
                 async for out in self._stream:
-                    produced = True
+                    self._produced = True
                     yield out
                 self._release()
                 return
             except ServiceUnavailable:
                 self._release()
-                if produced or not self._retry():
+                if self._produced or not self._retry():
                     raise
 
     def _retry(self) -> bool:
