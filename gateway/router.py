@@ -7,8 +7,10 @@ not know how many there are. Replicas come from `--scheduler` given several
 times, or from one DNS name re-resolved every `RESOLVE_EVERY_S` (compose
 `--scale`, a Kubernetes headless Service).
 
-Each request goes to the rendezvous winner of its prompt's prefix hash (so it
-lands where its prefix is cached), unless that replica is over the load bound
+Each request goes where its prompt's prefix hash went before, a new prefix to its
+rendezvous winner unless that replica holds clearly more prefixes than another
+(so a prefix lands where it is cached, and prefixes spread evenly), unless that
+replica is over the load bound
 (gateway/routing.py); load comes from GetStats polls no older than `STATS_MAX_AGE_S`
 and the router's own in-flight counts. Replicas whose stats say unhealthy (or do
 not answer) are skipped. The choices of one client request (`{id}-{index}`) stay on
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -38,6 +41,7 @@ POLL_EVERY_S = 0.5  # GetStats of every replica (only when there are several)
 STATS_MAX_AGE_S = 1.0  # older stats do not count as load
 RESOLVE_EVERY_S = 5.0  # DNS re-resolution of a single scheduler name
 STATS_TIMEOUT_S = 1.0
+MAX_KNOWN_PREFIXES = 65536  # affinity keys remembered (least recently routed forgotten first)
 
 
 @dataclass(eq=False)
@@ -53,11 +57,11 @@ class Replica:
     routed: int = 0  # requests sent to it since start
     groups: dict[str, int] = field(default_factory=dict)  # client request id -> choices open
 
-    def candidate(self, now: float) -> Candidate:
+    def candidate(self, now: float, prefixes: int) -> Candidate:
         fresh = self.stats is not None and now - self.stats_at <= STATS_MAX_AGE_S
         queued = self.stats.num_waiting + self.stats.num_running if fresh and self.stats else 0
         kv = self.stats.kv_cache_usage if fresh and self.stats else 0.0
-        return Candidate(self.address, max(queued, self.in_flight), kv)
+        return Candidate(self.address, max(queued, self.in_flight), kv, prefixes)
 
 
 def group_of(request_id: str) -> str:
@@ -84,6 +88,7 @@ class EngineRouter:
         self._retired: list[Replica] = []  # gone from DNS; closed once idle
         self._holders: dict[str, Replica] = {}  # engine request id -> its replica
         self._block_size = 0  # from GetServerInfo
+        self._prefixes = PrefixTable(MAX_KNOWN_PREFIXES)
         self._turn = 0
         self._tasks = [asyncio.get_running_loop().create_task(self._poll_forever())]
         if self._dns_name is not None:
@@ -165,7 +170,13 @@ class EngineRouter:
             return pool[self._turn % len(pool)]
         key = affinity_key(request, self._block_size, self.policy.prefix_blocks)
         now = time.monotonic()
-        return pool[choose([r.candidate(now) for r in pool], key, self.policy, self._turn)]
+        candidates = [r.candidate(now, self._prefixes.count(r.address)) for r in pool]
+        home_address = self._prefixes.home(key)
+        homes = [i for i, r in enumerate(pool) if r.address == home_address]
+        index = choose(candidates, key, self.policy, self._turn, homes[0] if homes else None)
+        if key is not None:
+            self._prefixes.assign(key, pool[index].address)
+        return pool[index]
 
     def _attach(self, replica: Replica, request_id: str) -> None:
         group = group_of(request_id)
@@ -239,6 +250,32 @@ class EngineRouter:
         self._retired = [r for r in self._retired if r.in_flight]
         for replica in idle:
             await replica.client.close()
+
+
+class PrefixTable:
+    """Which replica each recent affinity key went to, and how many keys each replica holds:
+    a prefix seen before goes back to its replica, a new one to a replica holding few."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._homes: OrderedDict[bytes, str] = OrderedDict()
+        self._counts: Counter[str] = Counter()
+
+    def home(self, key: bytes | None) -> str | None:
+        return None if key is None else self._homes.get(key)
+
+    def count(self, address: str) -> int:
+        return self._counts[address]
+
+    def assign(self, key: bytes, address: str) -> None:
+        old = self._homes.pop(key, None)
+        if old is not None:
+            self._counts[old] -= 1
+        self._homes[key] = address
+        self._counts[address] += 1
+        if len(self._homes) > self._capacity:
+            _, evicted = self._homes.popitem(last=False)
+            self._counts[evicted] -= 1
 
 
 def aggregate_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:

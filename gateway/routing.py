@@ -34,6 +34,9 @@ class RoutingPolicy:
     load_factor: float = 0.25
     # A replica whose KV pool is fuller than this is passed over for the least-loaded one.
     kv_usage_high: float = 0.9
+    # A new prefix skips its rendezvous winner when that replica already holds more than
+    # this many prefixes over the replica holding fewest (spreads prefixes, hence cache, evenly).
+    prefix_slack: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTINGS:
@@ -49,6 +52,7 @@ class Candidate:
     address: str
     load: int  # waiting + running requests
     kv_usage: float  # used / total KV blocks, 0..1
+    prefixes: int = 0  # affinity keys recently routed to it
 
 
 def affinity_key(request: EngineCoreRequest, block_size: int, prefix_blocks: int) -> bytes | None:
@@ -73,11 +77,17 @@ def rendezvous_weight(key: bytes, address: str) -> int:
 
 
 def choose(
-    candidates: Sequence[Candidate], key: bytes | None, policy: RoutingPolicy, turn: int
+    candidates: Sequence[Candidate],
+    key: bytes | None,
+    policy: RoutingPolicy,
+    turn: int,
+    home: int | None = None,
 ) -> int:
-    """Index of the replica for a request: the rendezvous winner for `key` unless it is over
-    the load bound or its KV pool is nearly full, else the least loaded (ties go to the best
-    rendezvous weight, or rotate by `turn` when there is no key)."""
+    """Index of the replica for a request. With a key: `home` (where the key went before),
+    else the rendezvous winner unless it holds over `prefix_slack` more prefixes than the
+    emptiest; that choice stands unless it is over the load bound or its KV pool is nearly
+    full. Otherwise, and without a key, the least loaded (ties go to the best rendezvous
+    weight, or rotate by `turn` when there is no key)."""
     if not candidates:
         raise ValueError("no replica to choose from")
     n = len(candidates)
@@ -85,13 +95,21 @@ def choose(
         order = [(turn + i) % n for i in range(n)]
     else:
         order = sorted(range(n), key=lambda i: -rendezvous_weight(key, candidates[i].address))
-        best = candidates[order[0]]
+        preferred = home if home is not None else _spread(candidates, order, policy)
+        best = candidates[preferred]
         min_load = min(c.load for c in candidates)
         bound = math.ceil(min_load * (1 + policy.load_factor)) + policy.load_slack
         if best.load <= bound and best.kv_usage < policy.kv_usage_high:
-            return order[0]
+            return preferred
     return min(order, key=lambda i: (candidates[i].kv_usage >= policy.kv_usage_high,
                                      candidates[i].load))  # fmt: skip
+
+
+def _spread(candidates: Sequence[Candidate], order: list[int], policy: RoutingPolicy) -> int:
+    """The replica for a new prefix: the first in rendezvous `order` within `prefix_slack`
+    prefixes of the emptiest replica."""
+    fewest = min(c.prefixes for c in candidates)
+    return next(i for i in order if candidates[i].prefixes <= fewest + policy.prefix_slack)
 
 
 def split_target(target: str) -> tuple[str, int]:

@@ -288,3 +288,29 @@ def test_one_dns_name_discovers_replicas(fake_dns: dict[str, list[str]]) -> None
         await router.close()
 
     run_with_engines(2, body)
+
+
+def test_new_prefixes_spread_and_known_ones_go_home() -> None:
+    policy = RoutingPolicy(prefix_slack=1)
+    key = b"p" * 32
+    idle = [Candidate("a:1", 0, 0.1), Candidate("b:1", 0, 0.1)]
+    winner = choose(idle, key, policy, 0)
+    crowded = list(idle)
+    crowded[winner] = Candidate(idle[winner].address, 0, 0.1, prefixes=2)  # 2 > 0 + slack
+    assert choose(crowded, key, policy, 0) == 1 - winner
+    assert choose(crowded, key, policy, 0, home=winner) == winner  # seen before: its home
+
+    async def body(engines: list[FakeEngine], servers: list[GrpcServer]) -> None:
+        router = EngineRouter(addresses(servers))
+        await router.server_info()
+        for p in range(8):
+            await drain(router.generate(req(f"first{p}-0", prefixed(300 + p, 0))))
+        home = {p: next(i for i, e in enumerate(engines) if e.requests and
+                        e.requests[-1].request_id == f"first{p}-0") for p in range(8)}  # fmt: skip
+        assert sorted(counts(engines)) in ([4, 4], [3, 5])
+        for p in range(8):
+            await drain(router.generate(req(f"again{p}-0", prefixed(300 + p, 1))))
+            assert engines[home[p]].requests[-1].request_id == f"again{p}-0"
+        await router.close()
+
+    run_with_engines(2, body)
