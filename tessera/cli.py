@@ -14,8 +14,14 @@ from tessera.launcher import Launcher, Service, grpc_ok, http_ok
 from worker_service.cpu_kernels import add_kernel_args
 
 
-def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="serve a model: worker + scheduler + gateway on loopback")
+def _serve_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str = "serve"
+) -> None:
+    helps = {
+        "serve": "serve a model: worker + scheduler + gateway on loopback",
+        "engine": "one engine replica (worker + scheduler; --host is the scheduler's), no gateway",
+    }
+    p = sub.add_parser(name, help=helps[name])
     p.add_argument(
         "--model",
         default="default",
@@ -55,7 +61,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--log-level", default="INFO")
     add_data_parallel_args(p)
-    p.set_defaults(func=serve)
+    p.set_defaults(func=serve if name == "serve" else engine, engine_only=name == "engine")
 
 
 def internal_token() -> str:
@@ -68,7 +74,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     scheduler, then the gateway; `token` reaches them through the environment (not argv,
     which `ps` shows)."""
     py = sys.executable
-    replicas = data_parallel_replicas(args)
+    replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
     common = ["--log-level", args.log_level]
     env = {TOKEN_ENV: token}
     services: list[Service] = []
@@ -85,7 +91,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             *replica.worker_flags,
         ]  # fmt: skip
         scheduler = [
-            py, "-m", "scheduler_service", "--worker", worker_addr, "--host", "127.0.0.1",
+            py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,
             "--port", str(replica.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
             *(["--no-prefix-caching"] if args.no_prefix_caching else []),
@@ -109,6 +115,26 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         Service("gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env)
     )
     return services
+
+
+def engine(args: argparse.Namespace) -> int:
+    """`tessera engine`: one engine replica (worker + scheduler) supervised, no gateway; the
+    scheduler listens on --host:--scheduler-port, the worker on loopback. A container of the
+    scalable engine tier (compose.yaml); gateways find replicas by DNS."""
+    if args.data_parallel_size != 1:
+        print("tessera: engine runs one replica; scale the containers instead", file=sys.stderr)
+        return 2
+    try:
+        services = build_services(args, internal_token())[:-1]  # all but the gateway
+    except ValueError as exc:
+        print(f"tessera: {exc}", file=sys.stderr)
+        return 2
+    address = f"{args.host}:{args.scheduler_port}"
+
+    def announce() -> None:
+        print(f"tessera: engine replica serving EngineCore at {address}", flush=True)
+
+    return Launcher(services, args.start_timeout, args.drain_timeout).run(announce)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -135,6 +161,7 @@ BENCHMARKS = {
     "serve": "serve_bench",
     "decode": "decode_bench",
     "scheduler": "scheduler_bench",
+    "dp": "dp_bench",
 }
 
 
@@ -158,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _serve_parser(sub, "engine")
     _bench_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))

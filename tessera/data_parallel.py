@@ -21,6 +21,7 @@ class EngineReplica:
     """Ports and shares of one scheduler + worker pair."""
 
     index: int
+    scheduler_host: str  # where the scheduler listens (loopback under `tessera serve`)
     scheduler_port: int
     worker_port: int
     kv_cache_memory: str  # bytes, as the worker's --kv-cache-memory takes them
@@ -43,7 +44,9 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def data_parallel_replicas(args: argparse.Namespace) -> list[EngineReplica]:
+def data_parallel_replicas(
+    args: argparse.Namespace, scheduler_host: str = "127.0.0.1"
+) -> list[EngineReplica]:
     """The replicas `args` ask for; ValueError when two services would share a port."""
     size = args.data_parallel_size
     if size < 1:
@@ -60,6 +63,8 @@ def data_parallel_replicas(args: argparse.Namespace) -> list[EngineReplica]:
     threads = max(1, (os.cpu_count() or 1) // size)
     flags = ("--num-threads", str(threads)) if size > 1 else ()
     return [
-        EngineReplica(i, schedulers[i], workers[i], kv, flags, f"-{i}" if size > 1 else "")
+        EngineReplica(
+            i, scheduler_host, schedulers[i], workers[i], kv, flags, f"-{i}" if size > 1 else ""
+        )
         for i in range(size)
     ]
