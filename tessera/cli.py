@@ -181,13 +181,17 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _serve_parser(sub, "engine")
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args))
 
 
