@@ -22,7 +22,6 @@ import asyncio
 import os
 import random
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from services.healthcheck import http_healthy
 from services.pb import engine_pb2, engine_pb2_grpc
 from services.security import TOKEN_ENV
 from tessera.data_parallel import PORT_STRIDE
+from tessera.launcher import terminate
 
 MODEL = "SmolLM2-135M-Instruct"
 # About three 300-token system prompts per replica pool (bf16 SmolLM2-135M: 22.5 KiB/token).
@@ -135,13 +135,7 @@ class DPServer:
         return None
 
     def stop(self, timeout_s: float = 60) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout_s)
 
 
 def _free(port: int) -> bool:
