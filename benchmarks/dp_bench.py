@@ -125,7 +125,7 @@ class DPServer:
 
     def scheduler_pid(self, replica: int) -> int | None:
         """pid of one replica's scheduler (a child of the launcher)."""
-        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(self.process.pid)],
+        out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.process.pid)],
                              capture_output=True, text=True, check=False).stdout  # fmt: skip
         port = f"--port {self.scheduler_ports[replica]}"
         for line in out.splitlines():

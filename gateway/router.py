@@ -41,6 +41,7 @@ POLL_EVERY_S = 0.5  # GetStats of every replica (only when there are several)
 STATS_MAX_AGE_S = 1.0  # older stats do not count as load
 RESOLVE_EVERY_S = 5.0  # DNS re-resolution of a single scheduler name
 STATS_TIMEOUT_S = 1.0
+AGGREGATE_TIMEOUT_S = 0.8  # per replica in stats(), under the /metrics deadline of 1 s
 MAX_KNOWN_PREFIXES = 65536  # affinity keys remembered (least recently routed forgotten first)
 
 
@@ -133,8 +134,9 @@ class EngineRouter:
         if len(self.replicas) == 1:
             return await self.replicas[0].client.stats()
         answers = await asyncio.gather(
-            *(r.client.stats() for r in self.replicas), return_exceptions=True
-        )
+            *(asyncio.wait_for(r.client.stats(), AGGREGATE_TIMEOUT_S) for r in self.replicas),
+            return_exceptions=True,
+        )  # a replica that hangs leaves the sum instead of holding up /metrics
         stats = [a for a in answers if isinstance(a, SchedulerStats)]
         if not stats:
             error = next(a for a in answers if isinstance(a, BaseException))

@@ -32,22 +32,17 @@ from benchmarks.dp_bench import (
 )
 from services.healthcheck import http_healthy
 from services.security import TOKEN_ENV
+from tessera.launcher import terminate
 from tests.conftest import free_port
 from tests.stack.harness import REPO
 
 pytestmark = pytest.mark.slow
 
 
-# Each replica's KV pool holds about five of the eight ~360-token system prompts: the four an
-# affinity router gives it fit, the eight round robin gives it do not (the bench uses a
-# tighter pool over more requests; with only five questions per prompt, cold misses weigh more).
-TEST_SERVE_ARGS = ("--kv-cache-memory", "80MiB", *SERVE_ARGS[2:])
-
-
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DPServer]:
     log = tmp_path_factory.mktemp("dp") / "serve.log"
-    server = start_dp_server(2, "affinity", TEST_SERVE_ARGS, log=log)
+    server = start_dp_server(2, "affinity", SERVE_ARGS, log=log)
     yield server
     server.stop()
 
@@ -72,17 +67,20 @@ def round_robin_gateway(server: DPServer, log: Path) -> tuple[subprocess.Popen[b
 def test_affinity_beats_round_robin_and_distinct_prompts_spread(
     dp: DPServer, tmp_path: Path
 ) -> None:
-    # 8 system prompts (the working set: more than one replica's KV pool holds) x 5 questions
-    affinity = measure(dp, shared_prefix_workload(8, 5, 260, seed=11), concurrency=4)
+    # The bench's shared-prefix workload (8 system prompts x 16 questions; its KV pools hold
+    # about three system prompts each, so the working set fits two pools but not one) on other
+    # prompts, and half the distinct prompts. With fewer questions per system prompt the
+    # measured ratio fell to 1.7 (5 questions) and 1.9 (10): cold misses and noise weigh more.
+    affinity = measure(dp, shared_prefix_workload(8, 16, 260, seed=11), concurrency=4)
     process, url = round_robin_gateway(dp, tmp_path / "rr.log")
     try:
         rr_server = DPServer(dp.process, int(url.rsplit(":", 1)[1]), dp.scheduler_ports, dp.token)
-        rr = measure(rr_server, shared_prefix_workload(8, 5, 260, seed=12), concurrency=4)
+        rr = measure(rr_server, shared_prefix_workload(8, 16, 260, seed=12), concurrency=4)
     finally:
         process.terminate()
         process.wait(30)
     assert affinity["failed"] == rr["failed"] == 0
-    assert rr["per_replica"] == [20, 20]  # round robin: strictly alternating
+    assert rr["per_replica"] == [64, 64]  # round robin: strictly alternating
     assert affinity["hit_rate"] >= 1.8 * rr["hit_rate"], (affinity, rr)
     distinct = measure(dp, distinct_workload(32, 65, seed=13), concurrency=4)
     assert distinct["failed"] == 0 and distinct["max_share"] <= 0.6, distinct
@@ -165,10 +163,43 @@ def test_sigkill_one_scheduler(tmp_path: Path) -> None:
             except Exception:
                 assert time.monotonic() < deadline, "scheduler 0 did not come back"
                 time.sleep(0.5)
-        time.sleep(1.5)  # the gateway's next stats poll sees it healthy
-        more = distinct_workload(16, 30, seed=22)
-        totals = asyncio.run(run_chats(server.base_url, more, concurrency=4))
-        assert totals["failed"] == 0, totals
-        assert server.stats(0).num_finished > before
+        # the gateway routes to it again once its channel reconnected and a poll saw it healthy
+        deadline, seed = time.monotonic() + 90, 22
+        while server.stats(0).num_finished == before:
+            assert time.monotonic() < deadline, "the restarted replica got no traffic"
+            totals = asyncio.run(run_chats(server.base_url, distinct_workload(4, 30, seed), 4))
+            assert totals["failed"] == 0, totals
+            seed += 1
     finally:
         server.stop()
+
+
+def _spawn(argv: list[str], log: Path, token: str) -> subprocess.Popen[bytes]:
+    out = open(log, "wb")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=out,
+                            stderr=subprocess.STDOUT, env={**os.environ, TOKEN_ENV: token})  # fmt: skip
+
+
+def test_engine_container_entry_behind_a_gateway_given_a_dns_name(tmp_path: Path) -> None:
+    """What a compose engine container and a gateway run: `tessera engine`, and a gateway
+    whose --scheduler is a host name (re-resolved; one address keeps the name)."""
+    scheduler_port, worker_port, port = free_port(), free_port(), free_port()
+    engine = _spawn(["-m", "tessera", "engine", "--host", "127.0.0.1", "--scheduler-port",
+                     str(scheduler_port), "--worker-port", str(worker_port),
+                     "--kv-cache-memory", "256MiB", "--max-model-len", "512"],
+                    tmp_path / "engine.log", "t0ken")  # fmt: skip
+    gateway = _spawn(["-m", "gateway", "--scheduler", f"localhost:{scheduler_port}", "--port",
+                      str(port), "--grpc-port", "0"], tmp_path / "gateway.log", "t0ken")  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while not http_healthy(f"{url}/health", 2):
+            assert engine.poll() is None and gateway.poll() is None
+            assert time.monotonic() < deadline, (tmp_path / "engine.log").read_text()[-2000:]
+            time.sleep(0.5)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        for process in (gateway, engine):
+            terminate(process, 30)
