@@ -47,38 +47,20 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DPServer]:
     server.stop()
 
 
-def round_robin_gateway(server: DPServer, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A second gateway over the same two replicas, routing round robin."""
-    port = free_port()
-    argv = [sys.executable, "-m", "gateway", "--port", str(port), "--grpc-port", "0",
-            "--routing", "round-robin",
-            *(f"--scheduler=127.0.0.1:{p}" for p in server.scheduler_ports)]  # fmt: skip
-    out = open(log, "wb")  # noqa: SIM115 (the child owns it)
-    process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                               env={**os.environ, TOKEN_ENV: server.token})  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while not http_healthy(f"{url}/health", 2):
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.3)
-    return process, url
-
-
 def test_affinity_beats_round_robin_and_distinct_prompts_spread(
     dp: DPServer, tmp_path: Path
 ) -> None:
-    # The bench's shared-prefix workload (8 system prompts x 16 questions; its KV pools hold
-    # about three system prompts each, so the working set fits two pools but not one) on other
-    # prompts, and half the distinct prompts. With fewer questions per system prompt the
-    # measured ratio fell to 1.7 (5 questions) and 1.9 (10): cold misses and noise weigh more.
-    affinity = measure(dp, shared_prefix_workload(8, 16, 260, seed=11), concurrency=4)
-    process, url = round_robin_gateway(dp, tmp_path / "rr.log")
+    # The bench's shared-prefix workload (8 system prompts x 16 questions; each KV pool holds
+    # about three of the system prompts, so the working set fits two pools but not one), the
+    # same requests against fresh replicas under each routing, and half its distinct prompts.
+    # Fewer questions per system prompt made the measured ratio noisy (1.7 with 5, 1.9 with 10).
+    shared = shared_prefix_workload(8, 16, 260, seed=0)
+    affinity = measure(dp, shared, concurrency=4)
+    rr_stack = start_dp_server(2, "round-robin", SERVE_ARGS, log=tmp_path / "rr.log")
     try:
-        rr_server = DPServer(dp.process, int(url.rsplit(":", 1)[1]), dp.scheduler_ports, dp.token)
-        rr = measure(rr_server, shared_prefix_workload(8, 16, 260, seed=12), concurrency=4)
+        rr = measure(rr_stack, shared, concurrency=4)
     finally:
-        process.terminate()
-        process.wait(30)
+        rr_stack.stop()
     assert affinity["failed"] == rr["failed"] == 0
     assert rr["per_replica"] == [64, 64]  # round robin: strictly alternating
     assert affinity["hit_rate"] >= 1.8 * rr["hit_rate"], (affinity, rr)
