@@ -46,9 +46,17 @@ def _serve_parser(
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
     p.add_argument("--grpc-port", type=int, default=50052, help="port of the gRPC text API")
     p.add_argument(
-        "--scheduler-port", type=int, default=50051, help="loopback port of the scheduler"
+        "--scheduler-port",
+        type=int,
+        default=50051,
+        help="port of the scheduler (replica i of --data-parallel-size: + 100 i)",
     )
-    p.add_argument("--worker-port", type=int, default=50061, help="loopback port of the worker")
+    p.add_argument(
+        "--worker-port",
+        type=int,
+        default=50061,
+        help="loopback port of the worker (replica i: + 100 i)",
+    )
     p.add_argument("--api-key", default="", help="require this bearer token")
     p.add_argument(
         "--max-queued-requests", type=int, default=1024, help="admission limit (429 past it)"
