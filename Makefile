@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench bench-quick soak clean
+.PHONY: install proto model test test-fast lint serve bench bench-quick bench-dp soak clean
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -65,6 +65,12 @@ soak: install
 # Offline W1 only (HF, vLLM, Tessera): under 8 minutes once vLLM is installed; README untouched.
 bench-quick: install
 	$(PY) -m benchmarks.run_all --quick $(BENCH_ARGS)
+
+# Data parallel: `tessera serve --data-parallel-size 2`, prefix-affinity routing vs round robin on
+# a shared-prefix workload, and the split of 64 distinct prompts; bench-results/dp.{json,md}.
+DP_BENCH_ARGS ?=
+bench-dp: install
+	$(PY) -m benchmarks.dp_bench --out bench-results $(DP_BENCH_ARGS)
 
 SERVE_ARGS ?=
 serve: install

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 
 from gateway.server import GatewayServer
-from services.config import DEFAULT_MODEL, GatewayConfig, parse_bytes
+from services.config import DEFAULT_MODEL, ROUTINGS, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
 from services.security import API_KEY_ENV, add_security_args, security_from_args
@@ -16,7 +16,19 @@ from services.security import API_KEY_ENV, add_security_args, security_from_args
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    p.add_argument("--scheduler", default="127.0.0.1:50051", help="EngineCore address host:port")
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        default=[],
+        help="EngineCore address host:port (default 127.0.0.1:50051); repeat for engine "
+        "replicas, or give one DNS name that resolves to one address per replica",
+    )
+    p.add_argument(
+        "--routing",
+        default="affinity",
+        choices=ROUTINGS,
+        help="how requests spread over engine replicas",
+    )
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help="model dir for the tokenizer ('default': embedded)"
     )
@@ -58,7 +70,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        scheduler_address=args.scheduler,
+        scheduler_address=(args.scheduler or ["127.0.0.1:50051"])[0],
+        extra_scheduler_addresses=tuple(args.scheduler[1:]),
+        routing=args.routing,
         model=args.model,
         served_model_name=args.served_model_name,
         host=args.host,

@@ -15,10 +15,11 @@ from types import FrameType
 import uvicorn
 
 from gateway.app import build_app
-from gateway.engine_client import EngineClient
 from gateway.errors import ApiError
 from gateway.grpc_api import build_grpc_server
 from gateway.metrics import GatewayMetrics
+from gateway.router import EngineRouter
+from gateway.routing import RoutingPolicy
 from gateway.serving import Serving
 from gateway.tokenizer import Tokenizer
 from services.config import GatewayConfig
@@ -48,7 +49,7 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer.load(config.model)
-        self.engine = EngineClient(config.scheduler_address)
+        self.engine = EngineRouter(config.scheduler_addresses, RoutingPolicy(config.routing))
         self.serving = Serving(
             self.engine,
             self.tokenizer,

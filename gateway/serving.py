@@ -16,7 +16,6 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 
 from gateway.admission import ByteBudget
-from gateway.engine_client import EngineClient
 from gateway.errors import (
     EngineError,
     InvalidRequest,
@@ -27,6 +26,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.output import ChoiceDelta, OutputProcessor
 from gateway.protocol import TextOptions
+from gateway.router import EngineRouter
 from gateway.tokenizer import Tokenizer
 from services.step_types import ServerInfo
 from services.types import EngineCoreRequest
@@ -67,7 +67,7 @@ class Serving:
 
     def __init__(
         self,
-        engine: EngineClient,
+        engine: EngineRouter,
         tokenizer: Tokenizer,
         metrics: GatewayMetrics,
         served_model_name: str = "",

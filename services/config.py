@@ -157,6 +157,9 @@ class WorkerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
 
 
+ROUTINGS = ("affinity", "round-robin")  # how a gateway spreads requests over engine replicas
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """The OpenAI REST front end and the public gRPC text API."""
@@ -185,9 +188,21 @@ class GatewayConfig:
     max_inflight_bytes: int = 256 << 20
     # Seconds in-flight streams may take to finish on SIGTERM.
     drain_timeout_s: float = 30.0
+    # Further EngineCore addresses: data-parallel engine replicas beside scheduler_address.
+    extra_scheduler_addresses: tuple[str, ...] = ()
+    # How requests spread over replicas: "affinity" (prefix hash, bounded by load) or
+    # "round-robin".
+    routing: str = "affinity"
+
+    @property
+    def scheduler_addresses(self) -> tuple[str, ...]:
+        """Every EngineCore address given (one DNS name may stand for several replicas)."""
+        return (self.scheduler_address, *self.extra_scheduler_addresses)
 
     def __post_init__(self) -> None:
-        _require(":" in self.scheduler_address, "scheduler_address must be host:port")
+        for address in self.scheduler_addresses:
+            _require(":" in address, "scheduler addresses must be host:port")
+        _require(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}")
         for name in ("port", "grpc_port"):
             _require(0 <= getattr(self, name) <= 65535, f"{name} must be a TCP port")
         _require(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")

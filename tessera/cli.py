@@ -9,12 +9,19 @@ import sys
 
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
+from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
 from tessera.launcher import Launcher, Service, grpc_ok, grpc_up, http_ok
 from worker_service.cpu_kernels import add_kernel_args
 
 
-def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="serve a model: worker + scheduler + gateway on loopback")
+def _serve_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str = "serve"
+) -> None:
+    helps = {
+        "serve": "serve a model: worker + scheduler + gateway on loopback",
+        "engine": "one engine replica (worker + scheduler; --host is the scheduler's), no gateway",
+    }
+    p = sub.add_parser(name, help=helps[name])
     p.add_argument(
         "--model",
         default="default",
@@ -25,9 +32,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     add_kernel_args(p)
-    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool budget on CPU, e.g. 2GiB")
     p.add_argument(
-        "--worker-threads", type=int, default=0, help="the worker's torch CPU threads; 0: all cores"
+        "--kv-cache-memory",
+        default="2GiB",
+        help="KV pool budget on CPU, e.g. 2GiB (split evenly over data-parallel replicas)",
+    )
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="each worker's torch CPU threads; 0: all cores (split over data-parallel replicas)",
     )
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -38,9 +52,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
     p.add_argument("--grpc-port", type=int, default=50052, help="port of the gRPC text API")
     p.add_argument(
-        "--scheduler-port", type=int, default=50051, help="loopback port of the scheduler"
+        "--scheduler-port",
+        type=int,
+        default=50051,
+        help="port of the scheduler (replica i of --data-parallel-size: + 100 i)",
     )
-    p.add_argument("--worker-port", type=int, default=50061, help="loopback port of the worker")
+    p.add_argument(
+        "--worker-port",
+        type=int,
+        default=50061,
+        help="loopback port of the worker (replica i: + 100 i)",
+    )
     p.add_argument("--api-key", default="", help="require this bearer token")
     p.add_argument(
         "--max-queued-requests", type=int, default=1024, help="admission limit (429 past it)"
@@ -52,7 +74,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--start-timeout", type=float, default=300.0, help="seconds each service may take to start"
     )
     p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=serve)
+    add_data_parallel_args(p)
+    p.set_defaults(func=serve if name == "serve" else engine, engine_only=name == "engine")
 
 
 def internal_token() -> str:
@@ -61,49 +84,79 @@ def internal_token() -> str:
 
 
 def build_services(args: argparse.Namespace, token: str) -> list[Service]:
-    """The three services with their flags, in start order; `token` reaches them through
-    the environment (not argv, which `ps` shows)."""
+    """The services with their flags, in start order: each engine replica's worker and
+    scheduler, then the gateway; `token` reaches them through the environment (not argv,
+    which `ps` shows)."""
     py = sys.executable
-    worker_addr = f"127.0.0.1:{args.worker_port}"
-    scheduler_addr = f"127.0.0.1:{args.scheduler_port}"
+    replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
     common = ["--log-level", args.log_level]
-    worker = [
-        py, "-m", "worker_service", "--model", args.model, "--dtype", args.dtype,
-        "--bf16-gemm", args.bf16_gemm, *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
-        "--host", "127.0.0.1", "--port", str(args.worker_port), "--block-size", str(args.block_size),
-        "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len),
-        "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--num-threads", str(args.worker_threads), *common,
-    ]  # fmt: skip
-    scheduler = [
-        py, "-m", "scheduler_service", "--worker", worker_addr, "--host", "127.0.0.1",
-        "--port", str(args.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-        *(["--no-prefix-caching"] if args.no_prefix_caching else []),
-    ]  # fmt: skip
+    env = {TOKEN_ENV: token}
+    services: list[Service] = []
+    for replica in replicas:
+        worker_addr = f"127.0.0.1:{replica.worker_port}"
+        scheduler_addr = f"127.0.0.1:{replica.scheduler_port}"
+        worker = [
+            py, "-m", "worker_service", "--model", args.model, "--dtype", args.dtype,
+            "--bf16-gemm", args.bf16_gemm, *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
+            "--host", "127.0.0.1", "--port", str(replica.worker_port), "--block-size", str(args.block_size),
+            "--kv-cache-memory", replica.kv_cache_memory, "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
+            *replica.worker_flags,
+        ]  # fmt: skip
+        scheduler = [
+            py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,
+            "--port", str(replica.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
+            *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+        ]  # fmt: skip
+        services.append(Service(f"worker{replica.suffix}", worker, grpc_up(worker_addr), env))
+        services.append(
+            Service(f"scheduler{replica.suffix}", scheduler, grpc_ok(scheduler_addr), env)
+        )
+    schedulers = [f"--scheduler=127.0.0.1:{r.scheduler_port}" for r in replicas]
     gateway = [
-        py, "-m", "gateway", "--scheduler", scheduler_addr, "--model", args.model,
+        py, "-m", "gateway", *schedulers, "--routing", args.routing, "--model", args.model,
         "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    env = {TOKEN_ENV: token}
     # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
     gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
-    return [
-        Service("worker", worker, grpc_up(worker_addr), env),
-        Service("scheduler", scheduler, grpc_ok(scheduler_addr), env),
-        Service(
-            "gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env
-        ),
-    ]
+    services.append(
+        Service("gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env)
+    )
+    return services
+
+
+def engine(args: argparse.Namespace) -> int:
+    """`tessera engine`: one engine replica (worker + scheduler) supervised, no gateway; the
+    scheduler listens on --host:--scheduler-port, the worker on loopback. A container of the
+    scalable engine tier (compose.yaml); gateways find replicas by DNS."""
+    if args.data_parallel_size != 1:
+        print("tessera: engine runs one replica; scale the containers instead", file=sys.stderr)
+        return 2
+    try:
+        services = build_services(args, internal_token())[:-1]  # all but the gateway
+    except ValueError as exc:
+        print(f"tessera: {exc}", file=sys.stderr)
+        return 2
+    address = f"{args.host}:{args.scheduler_port}"
+
+    def announce() -> None:
+        print(f"tessera: engine replica serving EngineCore at {address}", flush=True)
+
+    return Launcher(services, args.start_timeout, args.drain_timeout).run(announce)
 
 
 def serve(args: argparse.Namespace) -> int:
-    services = build_services(args, internal_token())
+    try:
+        services = build_services(args, internal_token())
+    except ValueError as exc:
+        print(f"tessera: {exc}", file=sys.stderr)
+        return 2
     url = f"http://{args.host}:{args.port}/v1"
     name = args.served_model_name or served_name(args.model)
 
@@ -122,6 +175,7 @@ BENCHMARKS = {
     "serve": "serve_bench",
     "decode": "decode_bench",
     "scheduler": "scheduler_bench",
+    "dp": "dp_bench",
 }
 
 
@@ -141,12 +195,17 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _serve_parser(sub, "engine")
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args))
 
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 from services.grpc_utils import check_health, health_status
 from services.healthcheck import http_healthy
@@ -89,15 +90,8 @@ class Service:
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`."""
-        if not self.alive():
-            return
-        assert self.process is not None
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            terminate(self.process, timeout_s)
 
     def schedule_restart(self, now: float) -> float:
         """Note a death at `now`; returns the delay before the restart."""
@@ -107,6 +101,18 @@ class Service:
         self.backoff_s = min(self.backoff_s * 2, BACKOFF_MAX_S)
         self.restart_at = now + delay
         return delay
+
+
+def terminate(process: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM a running process, then SIGKILL it after `timeout_s`."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def http_ok(url: str) -> Callable[[], bool]:

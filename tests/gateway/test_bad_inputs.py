@@ -86,6 +86,12 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def stack(stack_dp: Stack) -> Stack:
+    """This suite runs against one engine replica and against two (data parallel)."""
+    return stack_dp
+
+
 @pytest.fixture
 def http(stack: Stack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.base_url, timeout=30) as client:

@@ -16,6 +16,12 @@ pytestmark = pytest.mark.slow
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]
 
 
+@pytest.fixture(scope="module")
+def stack(stack_dp: Stack) -> Stack:
+    """This suite runs against one engine replica and against two (data parallel)."""
+    return stack_dp
+
+
 @pytest.fixture
 def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=API_KEY, max_retries=0)

@@ -4,6 +4,7 @@ addresses agree, and the healthcheck commands pass against a live local stack.""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import re
@@ -20,7 +21,7 @@ from tests.stack.harness import REPO, Stack, start_stack
 
 COMPOSE = REPO / "compose.yaml"
 ENV_FILE = REPO / ".env"
-RUNNING = ("worker", "scheduler", "gateway")  # the services of the default (cpu) profile
+RUNNING = ("engine", "gateway")  # the services of the default (cpu) profile
 
 
 def env_defaults() -> dict[str, str]:
@@ -68,22 +69,31 @@ def flag(args: list[str], name: str) -> str:
 
 def test_compose_parses_with_health_gated_dependencies(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"worker", "worker-gpu", "scheduler", "gateway"}
-    assert services["scheduler"]["depends_on"]["worker"]["condition"] == "service_healthy"
-    assert services["gateway"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
-    gpu = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["capabilities"] == ["gpu"] and services["worker-gpu"]["profiles"] == ["gpu"]
+    assert set(services) == {"engine", "engine-gpu", "gateway"}
+    for engine in ("engine", "engine-gpu"):
+        assert services["gateway"]["depends_on"][engine]["condition"] == "service_healthy"
+    gpu = services["engine-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"] and services["engine-gpu"]["profiles"] == ["gpu"]
     assert "model-cache" in compose["volumes"]
     assert env_defaults()["COMPOSE_PROFILES"] == "cpu"
 
 
-@pytest.mark.parametrize("name", ["worker", "worker-gpu", "scheduler", "gateway"])
+def parse_command(command: list[str]) -> tuple[str, argparse.Namespace]:
+    """Parse a service's command with its own entry point's argparse parser."""
+    module, args = flags(command)
+    if module == "tessera":
+        from tessera.cli import build_parser
+
+        return module, build_parser().parse_args(args)
+    return module, importlib.import_module(f"{module}.__main__").parse_args(args)
+
+
+@pytest.mark.parametrize("name", ["engine", "engine-gpu", "gateway"])
 def test_each_command_is_an_entry_point_that_accepts_its_flags(
     compose: dict[str, Any], name: str
 ) -> None:
     module, args = flags(compose["services"][name]["command"])
-    entry = importlib.import_module(f"{module}.__main__")
-    entry.parse_args(args)  # raises SystemExit on an unknown or malformed flag
+    parse_command(compose["services"][name]["command"])  # SystemExit on an unknown flag
     done = subprocess.run(
         [sys.executable, "-m", module, *args, "--help"],
         cwd=REPO,
@@ -97,16 +107,21 @@ def test_each_command_is_an_entry_point_that_accepts_its_flags(
 
 def test_ports_and_addresses_agree(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    worker, scheduler, gateway = (flags(services[n]["command"])[1] for n in RUNNING)
-    assert flag(scheduler, "worker") == f"worker:{flag(worker, 'port')}"
-    assert flag(gateway, "scheduler") == f"scheduler:{flag(scheduler, 'port')}"
-    published = {p.split(":")[-1] for p in services["gateway"]["ports"]}
-    assert published == {flag(gateway, "port"), flag(gateway, "grpc-port")}
+    _, engine = parse_command(services["engine"]["command"])
+    _, gateway = parse_command(services["gateway"]["command"])
+    assert engine.command == "engine" and engine.host == "0.0.0.0"  # reachable by gateways
+    assert gateway.scheduler == [f"engine:{engine.scheduler_port}"]  # one DNS name, re-resolved
+    for name in ("engine", "engine-gpu"):
+        assert "engine" in services[name]["networks"]["default"]["aliases"]
+    ports = [interpolate(p, env_defaults()) for p in services["gateway"]["ports"]]
+    assert {p.split(":")[-1] for p in ports} == {str(gateway.port), str(gateway.grpc_port)}
+    for host_side in (p.rsplit(":", 1)[0] for p in ports):
+        first, _, last = host_side.partition("-")  # a range: gateways scale without collisions
+        assert int(last) - int(first) >= 2, host_side
     assert [n for n, s in services.items() if "ports" in s] == ["gateway"]  # internal: unpublished
-    assert "worker" in services["worker"]["networks"]["default"]["aliases"]
-    for name, args in zip(RUNNING, (worker, scheduler, gateway), strict=True):
-        probe = " ".join(services[name]["healthcheck"]["test"])
-        assert f":{flag(args, 'port')}" in probe, (name, probe)
+    probes = {n: " ".join(services[n]["healthcheck"]["test"]) for n in RUNNING}
+    assert f":{engine.scheduler_port}" in probes["engine"]
+    assert f":{gateway.port}/health" in probes["gateway"]
 
 
 def test_every_service_gets_the_internal_token_and_restarts(compose: dict[str, Any]) -> None:
@@ -125,17 +140,11 @@ def live_stack() -> Iterator[Stack]:
 
 @pytest.mark.slow
 def test_healthchecks_pass_against_a_live_stack(compose: dict[str, Any], live_stack: Stack) -> None:
-    ports = {
-        "50061": live_stack.worker_port,
-        "50051": live_stack.scheduler_port,
-        "8000": live_stack.port,
-    }
+    ports = {"50051": live_stack.scheduler_port, "8000": live_stack.port}
     for name in RUNNING:
         test = compose["services"][name]["healthcheck"]["test"]
         assert test[0] == "CMD"
-        argv = [
-            re.sub(r":(50061|50051|8000)\b", lambda m: f":{ports[m.group(1)]}", a) for a in test[1:]
-        ]
+        argv = [re.sub(r":(50051|8000)\b", lambda m: f":{ports[m.group(1)]}", a) for a in test[1:]]
         argv[0] = sys.executable if argv[0] == "python" else argv[0]
         done = subprocess.run(
             argv, cwd=REPO, capture_output=True, text=True, timeout=60, check=False, env=os.environ
