@@ -9,8 +9,9 @@
 // Query head h attends with KV head h / (heads / kv_heads), as HF's repeat_kv. Scores,
 // softmax and the weighted sum are float32; bf16 inputs are widened exactly and the output
 // rounded to nearest even. Built for AVX-512 or AVX2 (cpu_simd.h; head sizes a multiple of
-// the vector width), the scores of a vector's worth of rows are summed by one transposing
-// tree and the weighted sum keeps its accumulators in registers; elsewhere portable loops.
+// the vector width), a vector's worth of rows is scored at once (each row's dot product summed
+// in the portable loop's order, so both round alike) and the weighted sum keeps its
+// accumulators in registers; elsewhere portable loops.
 
 #include <algorithm>
 #include <cmath>
@@ -111,7 +112,7 @@ inline void weigh_rows(const float* __restrict p, const float* __restrict rows, 
 #if TESSERA_SIMD
 // scores[g * stride + o] = q[g] . row o, for the n <= W rows of one KV head starting at
 // slot first_slot; q is [group, Dim] float32. The W rows' lane-wise products go through
-// `parts` ([group, W, W]) to one transposing sum per query head.
+// `parts` ([group, W, W]) to one column-wise sum per query head.
 template <typename T, int64_t Dim>
 inline void score_rows(const float* q, int64_t group, const T* head, int64_t first_slot,
                        int64_t n, int64_t slot_stride, float* parts, float* scores,
@@ -132,7 +133,7 @@ inline void score_rows(const float* q, int64_t group, const T* head, int64_t fir
     }
   }
   for (int64_t g = 0; g < group; ++g)
-    Simd::store_first(scores + g * stride, Simd::sum_lanes(parts + g * W * W), n);
+    Simd::store_first(scores + g * stride, Simd::sum_lanes_in_order(parts + g * W * W), n);
 }
 
 // acc[g] += sum over the n rows o of one KV head (from slot first_slot) of

@@ -32,25 +32,15 @@ struct Simd {
     _mm512_mask_storeu_ps(p, n >= W ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), v);
   }
 
-  // Lane i = the sum of the lanes of vector i of the W vectors at v: a transposing tree of
-  // W - 1 folds instead of W separate horizontal sums.
-  static V sum_lanes(const float* v) {
-    const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    V a[8], b[4], c[2];
-    for (int j = 0; j < 8; ++j) a[j] = fold(load(v + 32 * j), load(v + 32 * j + 16), lo1, 8);
-    for (int j = 0; j < 4; ++j) b[j] = fold(a[2 * j], a[2 * j + 1], lo2, 4);
-    for (int j = 0; j < 2; ++j) c[j] = fold(b[2 * j], b[2 * j + 1], lo3, 2);
-    return fold(c[0], c[1], lo4, 1);
-  }
-
- private:
-  // Lane i = x[lo[i]] + x[lo[i] + shift], x the 32 lanes of a then b.
-  static V fold(V a, V b, __m512i lo, int shift) {
-    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(shift));
-    return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+  // Lane i = the sum of the lanes of vector i of the W vectors at v, added in lane order as
+  // a scalar loop over the lanes would (so the scores keep the portable loop's rounding):
+  // one gathered column of the W x W block a step.
+  static V sum_lanes_in_order(const float* v) {
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160,
+                                             176, 192, 208, 224, 240);
+    V sum = _mm512_i32gather_ps(column, v, 4);
+    for (int l = 1; l < W; ++l) sum = _mm512_add_ps(sum, _mm512_i32gather_ps(column, v + l, 4));
+    return sum;
   }
 };
 #elif TESSERA_SIMD
@@ -74,12 +64,12 @@ struct Simd {
     _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lanes), v);
   }
 
-  // Lane i = the sum of the lanes of vector i of the 8 vectors at v (pairwise hadds).
-  static V sum_lanes(const float* v) {
-    const V t0 = _mm256_hadd_ps(load(v), load(v + 8)), t1 = _mm256_hadd_ps(load(v + 16), load(v + 24));
-    const V t2 = _mm256_hadd_ps(load(v + 32), load(v + 40)), t3 = _mm256_hadd_ps(load(v + 48), load(v + 56));
-    const V u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  // Lane i = the sum of the lanes of vector i of the W vectors at v, in lane order.
+  static V sum_lanes_in_order(const float* v) {
+    const __m256i column = _mm256_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56);
+    V sum = _mm256_i32gather_ps(v, column, 4);
+    for (int l = 1; l < W; ++l) sum = _mm256_add_ps(sum, _mm256_i32gather_ps(v + l, column, 4));
+    return sum;
   }
 };
 #endif
