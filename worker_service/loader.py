@@ -2,12 +2,15 @@
 
 HF checkpoints store q/k/v and gate/up projections separately; the models fuse
 them, so each checkpoint tensor is copied into a row range of a fused weight.
+With tensor parallelism each rank reads only its share of each layer tensor
+(safetensors slices): its rows of q/k/v and gate/up, its columns of o and down.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -16,6 +19,7 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.registry import model_class
+from worker_service.parallel import TPGroup, shard_range
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +31,23 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_ROW_PARALLEL = ("o_proj", "down_proj")  # sliced along their input features (dim 1)
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Instantiate the registered class for `model_dir` and load its safetensors weights."""
+    """Instantiate the registered class for `model_dir` and load its safetensors weights
+    (this rank's share of them under tensor parallelism)."""
+    tp = tp or TPGroup()
     cfg = read_model_config(model_dir)
     cls = model_class(cfg.architecture)
     with torch.device(device):
-        model = cls(cfg, backend)
+        model = cls(cfg, backend, tp)
     _cast(model, dtype)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -45,9 +56,48 @@ def load_model(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                loaded |= _load_tensor(model, model.config, name, f.get_tensor(name))
+                tensor = _read_share(f, name, model.config, tp)
+                loaded |= _load_tensor(model, model.config, name, tensor, tp.size)
     _check_complete(model, loaded)
+    _log_weight_bytes(model, tp)
     return model.eval()
+
+
+def _read_share(f: Any, name: str, cfg: ModelArchConfig, tp: TPGroup) -> torch.Tensor:
+    """Checkpoint tensor `name`, or only this rank's slice of it (never the whole)."""
+    parts = name.split(".")
+    if tp.size == 1 or len(parts) < 3:
+        return f.get_tensor(name)
+    proj = parts[-2]
+    kv_rows = cfg.num_kv_heads * cfg.head_dim
+    rows = {  # output rows of the column-parallel projections (weight and bias)
+        "q_proj": cfg.num_heads * cfg.head_dim,
+        "k_proj": kv_rows,
+        "v_proj": kv_rows,
+        "gate_proj": cfg.intermediate_size,
+        "up_proj": cfg.intermediate_size,
+    }.get(proj)
+    if rows is not None:
+        start, end = shard_range(rows, tp.rank, tp.size)
+        return f.get_slice(name)[start:end]
+    if proj in _ROW_PARALLEL and parts[-1] == "weight":
+        columns = f.get_slice(name).get_shape()[1]
+        start, end = shard_range(columns, tp.rank, tp.size)
+        return f.get_slice(name)[:, start:end]
+    return f.get_tensor(name)
+
+
+def _log_weight_bytes(model: LlamaForCausalLM, tp: TPGroup) -> None:
+    """Log what this rank holds: the decoder layers (split) and everything (incl. embedding)."""
+    layers = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info(
+        "rank %d holds %.1f MB of layer weights (%d bytes; %.1f MB with embedding and head)",
+        tp.rank,
+        layers / 1e6,
+        layers,
+        total / 1e6,
+    )
 
 
 def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
@@ -58,7 +108,7 @@ def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 
 
 def _load_tensor(
-    model: LlamaForCausalLM, cfg: ModelArchConfig, name: str, tensor: torch.Tensor
+    model: LlamaForCausalLM, cfg: ModelArchConfig, name: str, tensor: torch.Tensor, tp_size: int
 ) -> set[str]:
     """Copy one checkpoint tensor into its parameter; returns the parameter names it filled."""
     name = name.removeprefix("model.")
@@ -69,7 +119,7 @@ def _load_tensor(
     if len(parts) >= 3 and parts[-2] in _FUSED:
         fused, shard = _FUSED[parts[-2]]
         target = ".".join([*parts[:-2], fused, parts[-1]])
-        rows = _shard_rows(cfg, fused, shard)
+        rows = _shard_rows(cfg, fused, shard, tp_size)
         params[target].data[rows[0] : rows[1]].copy_(tensor)
         return {f"{target}#{shard}"}
     if name not in params:
@@ -82,11 +132,13 @@ def _load_tensor(
     return {name}
 
 
-def _shard_rows(cfg: ModelArchConfig, fused: str, shard: int) -> tuple[int, int]:
-    """Row range of shard `shard` inside a fused weight."""
+def _shard_rows(cfg: ModelArchConfig, fused: str, shard: int, tp_size: int) -> tuple[int, int]:
+    """Row range of shard `shard` inside a fused weight (of one rank's share)."""
     if fused == "gate_up_proj":
-        return shard * cfg.intermediate_size, (shard + 1) * cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size // tp_size
+        return shard * inter, (shard + 1) * inter
+    q = cfg.num_heads // tp_size * cfg.head_dim
+    kv = cfg.num_kv_heads // tp_size * cfg.head_dim
     return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
 
 

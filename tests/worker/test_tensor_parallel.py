@@ -1,0 +1,146 @@
+"""Issue 13, tensor parallelism: a model split over 2 ranks (gloo on CPU, float32) gives the
+same greedy tokens as 1 rank and as HF generate; each rank holds half the layer weights and
+half the KV heads; the ranks die with rank 0; uneven splits are refused clearly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.config import ModelConfig, ParallelConfig, WorkerConfig
+from services.types import SamplingParams
+from tests.hf_reference import hf_greedy
+from tests.worker.conftest import spawn_worker, stop_worker
+from tests.worker.driver import DriverRequest, MiniScheduler
+from worker_service.worker import Worker
+
+TINY: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+)
+PROMPTS = [[(7 * i + 3 * k + 1) % 320 for i in range(n)] for k, n in enumerate((5, 40, 23, 61))]
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama (GQA, untied head) saved the HF way."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    with torch.no_grad():  # HF sets norms to 1: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+def _config(path: Path, tp: int) -> WorkerConfig:
+    return WorkerConfig(
+        model=ModelConfig(model=str(path), dtype="float32"),
+        max_num_seqs=8,
+        parallel=ParallelConfig(tensor_parallel_size=tp),
+    )
+
+
+def _generate(worker: Worker) -> dict[str, list[int]]:
+    """The prompts through a small scheduler: chunked prefill (budget 32), then decode."""
+    sched = MiniScheduler(worker, 64, worker.get_kv_cache_spec().block_size, 32, NEW_TOKENS)
+    for i, prompt in enumerate(PROMPTS):
+        sched.add(DriverRequest(str(i), prompt, GREEDY, arrival_step=i))
+    outputs = sched.run()
+    assert sched.stats.chunked_steps > 0
+    return outputs
+
+
+def _layer_bytes(worker: Worker) -> tuple[int, int]:
+    """Bytes of the decoder layers' projections (split) and of their norms (replicated)."""
+    named = list(worker.runner.model.layers.named_parameters())
+    sizes = [(n, p.numel() * p.element_size()) for n, p in named]
+    return sum(b for n, b in sizes if "norm" not in n), sum(b for n, b in sizes if "norm" in n)
+
+
+def test_tp2_greedy_equals_tp1_and_hf(tiny_llama: Path) -> None:
+    expected = hf_greedy(tiny_llama, PROMPTS, NEW_TOKENS, "float32")
+    single = Worker(_config(tiny_llama, 1))
+    one = _generate(single)
+    one_bytes, one_spec = _layer_bytes(single), single.get_kv_cache_spec()
+    single.shutdown()
+    split = Worker(_config(tiny_llama, 2))
+    try:
+        (child,) = split.tp.children
+        assert child.poll() is None
+        two = _generate(split)
+        spec = split.get_kv_cache_spec()
+        assert spec.num_kv_heads == one_spec.num_kv_heads // 2 == 1
+        assert spec.bytes_per_block * 2 == one_spec.bytes_per_block
+        projections, norms = _layer_bytes(split)
+        assert (2 * projections, norms) == one_bytes
+        assert split.determine_available_memory() > 0  # the min over both ranks
+    finally:
+        split.shutdown()
+    assert child.wait(timeout=30) == 0  # stopped by rank 0, cleanly
+    for i in range(len(PROMPTS)):
+        assert one[str(i)] == expected[i], f"tp=1 prompt {i}"
+        assert two[str(i)] == expected[i], f"tp=2 prompt {i}"
+
+
+def test_uneven_split_is_refused_before_any_rank_starts(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        Worker(_config(tiny_llama, 3))
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.is_file() and stat.read_text().split()[2] == "Z")
+
+
+def test_worker_process_starts_its_rank_which_dies_with_it(tiny_llama: Path) -> None:
+    proc, _address = spawn_worker(
+        "--model", str(tiny_llama), "--dtype", "float32", "--tensor-parallel-size", "2"
+    )
+    (rank1,) = _children(proc.pid)
+    assert _alive(rank1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(rank1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(rank1)
+
+
+def test_sigterm_stops_rank0_and_its_rank_cleanly(tiny_llama: Path) -> None:
+    proc, _address = spawn_worker(
+        "--model", str(tiny_llama), "--dtype", "float32", "--tensor-parallel-size", "2"
+    )
+    (rank1,) = _children(proc.pid)
+    assert stop_worker(proc) == 0
+    assert not _alive(rank1)
