@@ -49,6 +49,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--start-timeout", type=float, default=300.0, help="seconds each service may take to start"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="worker ranks the model is split over"
+    )
     p.set_defaults(func=serve)
 
 
@@ -71,6 +74,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
     ]  # fmt: skip
     scheduler = [
         py, "-m", "scheduler_service", "--worker", worker_addr, "--host", "127.0.0.1",

@@ -22,12 +22,12 @@ CPU_RAM_FRACTION = 0.9
 
 
 def make_spec(
-    cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+    cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int = 0
 ) -> KVCacheSpec:
     """Layout and byte size of one block across all layers (K and V), on one rank: with
-    tensor parallelism each rank holds num_kv_heads / tp_size heads of every block."""
+    tensor parallelism each rank holds its `num_kv_heads` of every block (0: all)."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    num_kv_heads = cfg.num_kv_heads // tp_size
+    num_kv_heads = num_kv_heads or cfg.num_kv_heads
     per_layer = 2 * block_size * num_kv_heads * cfg.head_dim * elem
     return KVCacheSpec(
         num_layers=cfg.num_layers,

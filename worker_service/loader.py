@@ -19,7 +19,7 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.registry import model_class
-from worker_service.parallel import TPGroup, shard_range
+from worker_service.parallel import LayerShard, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -56,33 +56,27 @@ def load_model(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensor = _read_share(f, name, model.config, tp)
-                loaded |= _load_tensor(model, model.config, name, tensor, tp.size)
+                tensor = _read_share(f, name, model.shard, model.config.head_dim)
+                loaded |= _load_tensor(model, model.config, name, tensor, model.shard)
     _check_complete(model, loaded)
     _log_weight_bytes(model, tp)
     return model.eval()
 
 
-def _read_share(f: Any, name: str, cfg: ModelArchConfig, tp: TPGroup) -> torch.Tensor:
+def _read_share(f: Any, name: str, shard: LayerShard, head_dim: int) -> torch.Tensor:
     """Checkpoint tensor `name`, or only this rank's slice of it (never the whole)."""
     parts = name.split(".")
-    if tp.size == 1 or len(parts) < 3:
-        return f.get_tensor(name)
-    proj = parts[-2]
-    kv_rows = cfg.num_kv_heads * cfg.head_dim
-    rows = {  # output rows of the column-parallel projections (weight and bias)
-        "q_proj": cfg.num_heads * cfg.head_dim,
-        "k_proj": kv_rows,
-        "v_proj": kv_rows,
-        "gate_proj": cfg.intermediate_size,
-        "up_proj": cfg.intermediate_size,
-    }.get(proj)
-    if rows is not None:
-        start, end = shard_range(rows, tp.rank, tp.size)
+    proj = parts[-2] if len(parts) >= 3 else ""
+    q = (shard.q_start * head_dim, (shard.q_start + shard.num_heads) * head_dim)
+    kv = (shard.kv_start * head_dim, shard.kv_end * head_dim)
+    mlp = (shard.mlp_start, shard.mlp_end)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+    if proj in rows:  # column-parallel: output rows (weight and bias)
+        start, end = rows[proj]
         return f.get_slice(name)[start:end]
-    if proj in _ROW_PARALLEL and parts[-1] == "weight":
-        columns = f.get_slice(name).get_shape()[1]
-        start, end = shard_range(columns, tp.rank, tp.size)
+    columns = {"o_proj": q, "down_proj": mlp}
+    if proj in columns and parts[-1] == "weight":  # row-parallel: input columns
+        start, end = columns[proj]
         return f.get_slice(name)[:, start:end]
     return f.get_tensor(name)
 
@@ -108,7 +102,11 @@ def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 
 
 def _load_tensor(
-    model: LlamaForCausalLM, cfg: ModelArchConfig, name: str, tensor: torch.Tensor, tp_size: int
+    model: LlamaForCausalLM,
+    cfg: ModelArchConfig,
+    name: str,
+    tensor: torch.Tensor,
+    shard: LayerShard,
 ) -> set[str]:
     """Copy one checkpoint tensor into its parameter; returns the parameter names it filled."""
     name = name.removeprefix("model.")
@@ -117,11 +115,11 @@ def _load_tensor(
     params = dict(model.named_parameters())
     parts = name.split(".")
     if len(parts) >= 3 and parts[-2] in _FUSED:
-        fused, shard = _FUSED[parts[-2]]
+        fused, part = _FUSED[parts[-2]]
         target = ".".join([*parts[:-2], fused, parts[-1]])
-        rows = _shard_rows(cfg, fused, shard, tp_size)
+        rows = _fused_rows(cfg, fused, part, shard)
         params[target].data[rows[0] : rows[1]].copy_(tensor)
-        return {f"{target}#{shard}"}
+        return {f"{target}#{part}"}
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
     if params[name].shape != tensor.shape:
@@ -132,14 +130,13 @@ def _load_tensor(
     return {name}
 
 
-def _shard_rows(cfg: ModelArchConfig, fused: str, shard: int, tp_size: int) -> tuple[int, int]:
-    """Row range of shard `shard` inside a fused weight (of one rank's share)."""
+def _fused_rows(cfg: ModelArchConfig, fused: str, part: int, shard: LayerShard) -> tuple[int, int]:
+    """Row range of part `part` (q/k/v or gate/up) inside this rank's fused weight."""
     if fused == "gate_up_proj":
-        inter = cfg.intermediate_size // tp_size
-        return shard * inter, (shard + 1) * inter
-    q = cfg.num_heads // tp_size * cfg.head_dim
-    kv = cfg.num_kv_heads // tp_size * cfg.head_dim
-    return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        inter = shard.intermediate
+        return part * inter, (part + 1) * inter
+    q, kv = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
+    return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][part]
 
 
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:

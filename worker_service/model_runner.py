@@ -60,7 +60,9 @@ class ModelRunner:
             config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
         )
         self.block_size = config.cache.block_size
-        self.spec = kv_cache.make_spec(arch, self.block_size, self.dtype, self.tp.size)
+        self.spec = kv_cache.make_spec(
+            arch, self.block_size, self.dtype, self.model.shard.num_kv_heads
+        )
         self.input_batch = InputBatch(
             config.max_num_seqs, self.max_model_len, self.block_size, arch.vocab_size
         )

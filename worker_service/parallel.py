@@ -1,9 +1,10 @@
 """Tensor parallelism: the rank group, its collectives, and how rank 0 starts the others.
 
 Design (after vLLM's linear layers, in a smaller form):
-- qkv_proj and gate_up_proj are column-parallel: rank r holds its share of the q heads,
-  of the KV heads and of the MLP's intermediate columns; o_proj and down_proj are
-  row-parallel (the matching input slice) and their partial outputs are all-reduced.
+- qkv_proj and gate_up_proj are column-parallel: rank r holds its share of the KV heads
+  with their q heads (whole GQA groups) and of the MLP's intermediate columns; o_proj and
+  down_proj are row-parallel (the matching input slice) and their partial outputs are
+  all-reduced. Shares need not be equal (LayerShard): the default model has 3 KV heads.
 - The embedding and the LM head are replicated on every rank: Llama-family models often
   tie them, rank 0 then samples from full logits with no gather, and ranks 1..N-1 stay pure
   forward executors with no per-sampling collective. "Layer weights" (the decoder layers,
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -133,23 +134,64 @@ def tensors_to(obj: Any, device: torch.device) -> Any:
     return replace(obj, **moved)
 
 
-def check_divisible(cfg: ModelArchConfig, size: int) -> None:
-    """ValueError unless heads, KV heads and MLP columns split evenly over `size` ranks."""
-    for what, count in (
-        ("num_attention_heads", cfg.num_heads),
-        ("num_key_value_heads", cfg.num_kv_heads),
-        ("intermediate_size", cfg.intermediate_size),
-    ):
-        if count % size:
-            raise ValueError(
-                f"tensor_parallel_size {size} does not divide the model's {what} ({count})"
-            )
+@dataclass(frozen=True)
+class LayerShard:
+    """One rank's share of every decoder layer: whole GQA groups (KV heads with their q
+    heads) and a range of MLP columns. Shares are as even as the model allows: KV heads
+    as evenly as they divide, then MLP columns chosen so every rank holds about the same
+    weight bytes (SmolLM2-135M's 3 KV heads over 2 ranks: 2 + 1 heads, 683 + 853 columns)."""
+
+    kv_start: int
+    kv_end: int
+    group: int  # q heads per KV head
+    mlp_start: int
+    mlp_end: int
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_end - self.kv_start
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads * self.group
+
+    @property
+    def q_start(self) -> int:
+        return self.kv_start * self.group
+
+    @property
+    def intermediate(self) -> int:
+        return self.mlp_end - self.mlp_start
 
 
-def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of rank `rank`'s equal share of `total` (divisible)."""
-    share = total // size
-    return rank * share, (rank + 1) * share
+def check_splittable(cfg: ModelArchConfig, size: int) -> None:
+    """ValueError unless every rank can get at least one KV head and one MLP column."""
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({cfg.num_heads}) is not a multiple of "
+            f"num_key_value_heads ({cfg.num_kv_heads})"
+        )
+    if size > cfg.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {size} exceeds the model's num_key_value_heads "
+            f"({cfg.num_kv_heads}): each rank needs at least one KV head"
+        )
+
+
+def layer_shard(cfg: ModelArchConfig, rank: int, size: int) -> LayerShard:
+    """Rank `rank`'s LayerShard of `cfg` over `size` ranks (the same on every rank)."""
+    check_splittable(cfg, size)
+    group = cfg.num_heads // cfg.num_kv_heads
+    kv = [cfg.num_kv_heads // size + (r < cfg.num_kv_heads % size) for r in range(size)]
+    # weight elements: per KV head its q, k, v rows and o columns; per MLP column gate, up, down
+    per_kv, per_col = (2 * group + 2) * cfg.head_dim * cfg.hidden_size, 3 * cfg.hidden_size
+    target = (sum(kv) * per_kv + cfg.intermediate_size * per_col) / size
+    mlp = [max(1, round((target - k * per_kv) / per_col)) for k in kv]
+    mlp[-1] += cfg.intermediate_size - sum(mlp)
+    if min(mlp) < 1:
+        raise ValueError(f"cannot balance {cfg.intermediate_size} MLP columns over {size} ranks")
+    kv_start, mlp_start = sum(kv[:rank]), sum(mlp[:rank])
+    return LayerShard(kv_start, kv_start + kv[rank], group, mlp_start, mlp_start + mlp[rank])
 
 
 def resolve_init_method(configured: str) -> str:
@@ -187,8 +229,8 @@ def start_group(config: WorkerConfig, device: torch.device) -> TPGroup:
     from services.default_model import resolve_model
     from worker_service.models.config import read_model_config
 
-    # fail here, before any rank starts, when the model does not split evenly
-    check_divisible(read_model_config(resolve_model(config.model.model)), par.tensor_parallel_size)
+    # fail here, before any rank starts, when the model cannot be split
+    check_splittable(read_model_config(resolve_model(config.model.model)), par.tensor_parallel_size)
     method = resolve_init_method(par.init_method)
     children = [
         spawn_rank(config, rank, method)

@@ -80,13 +80,17 @@ class Worker:
 
     def determine_available_memory(self) -> int:
         """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner).
-        Tensor parallel: per rank, the smallest over the ranks."""
+        Tensor parallel: each rank's own budget; what this returns makes the scheduler pick
+        the fewest blocks any rank can hold (ranks' blocks differ in size: their KV heads)."""
         self.tp.command("memory")
         if self.device.type == "cuda":
             available = self.runner.profile_gpu_memory(self.config.cache.gpu_memory_utilization)
         else:
             available = kv_cache.cpu_kv_budget(self.config.cache.kv_cache_memory_bytes)
-        return self.tp.min_over_ranks(available)
+        if self.tp.size == 1:
+            return available
+        block = self.runner.spec.bytes_per_block
+        return self.tp.min_over_ranks(available // block) * block
 
     def initialize_cache(self, num_blocks: int) -> int:
         self.tp.command("cache", num_blocks)

@@ -1,6 +1,7 @@
 """Issue 13, tensor parallelism: a model split over 2 ranks (gloo on CPU, float32) gives the
-same greedy tokens as 1 rank and as HF generate; each rank holds half the layer weights and
-half the KV heads; the ranks die with rank 0; uneven splits are refused clearly."""
+same greedy tokens as 1 rank and as HF generate, whether its KV heads split evenly (2 over 2)
+or not (3 over 2, like the default model); each rank holds about half the layer weights and
+its share of the KV heads; the ranks die with rank 0; impossible splits are refused clearly."""
 
 from __future__ import annotations
 
@@ -36,20 +37,35 @@ NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _save_tiny(path: Path, **overrides: Any) -> Path:
     """A random-weight Llama (GQA, untied head) saved the HF way."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}, tie_word_embeddings=False))
     with torch.no_grad():  # HF sets norms to 1: make them matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.5)
-    path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 q heads over 2 KV heads: splits evenly over 2 ranks."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_3kv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 q heads over 3 KV heads (the default model's 9 over 3, smaller): 2 + 1 KV heads."""
+    return _save_tiny(
+        tmp_path_factory.mktemp("tiny-llama-3kv"),
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        hidden_size=96,
+    )
 
 
 def _config(path: Path, tp: int) -> WorkerConfig:
@@ -78,6 +94,7 @@ def _layer_bytes(worker: Worker) -> tuple[int, int]:
 
 
 def test_tp2_greedy_equals_tp1_and_hf(tiny_llama: Path) -> None:
+    """Even split: exactly half of every projection and of the KV heads on rank 0."""
     expected = hf_greedy(tiny_llama, PROMPTS, NEW_TOKENS, "float32")
     single = Worker(_config(tiny_llama, 1))
     one = _generate(single)
@@ -102,8 +119,29 @@ def test_tp2_greedy_equals_tp1_and_hf(tiny_llama: Path) -> None:
         assert two[str(i)] == expected[i], f"tp=2 prompt {i}"
 
 
-def test_uneven_split_is_refused_before_any_rank_starts(tiny_llama: Path) -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+def test_tp2_over_3_kv_heads_equals_hf_with_balanced_weights(tiny_llama_3kv: Path) -> None:
+    """Uneven split: rank 0 takes 2 KV heads (4 q heads), rank 1 one; the MLP columns
+    balance the bytes, so each rank still holds about half the layer weights."""
+    expected = hf_greedy(tiny_llama_3kv, PROMPTS, NEW_TOKENS, "float32")
+    single = Worker(_config(tiny_llama_3kv, 1))
+    whole, _ = _layer_bytes(single)
+    single.shutdown()
+    split = Worker(_config(tiny_llama_3kv, 2))
+    try:
+        two = _generate(split)
+        assert split.get_kv_cache_spec().num_kv_heads == 2
+        attention = split.runner.model.attention_layers()[0]
+        assert (attention.num_heads, attention.num_kv_heads) == (4, 2)
+        rank0, _ = _layer_bytes(split)
+        assert abs(rank0 / whole - 0.5) < 0.05, rank0 / whole
+    finally:
+        split.shutdown()
+    for i in range(len(PROMPTS)):
+        assert two[str(i)] == expected[i], f"tp=2 prompt {i}"
+
+
+def test_impossible_split_is_refused_before_any_rank_starts(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 exceeds the model's num_key"):
         Worker(_config(tiny_llama, 3))
 
 

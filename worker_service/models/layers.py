@@ -173,8 +173,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        tp = tp or TPGroup()
-        intermediate //= tp.size  # this rank's columns of gate and of up (column-parallel)
+        tp = tp or TPGroup()  # tensor parallel: `intermediate` is this rank's columns
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp)
         self.intermediate = intermediate

@@ -23,7 +23,7 @@ from worker_service.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
 )
-from worker_service.parallel import TPGroup, check_divisible
+from worker_service.parallel import TPGroup, layer_shard
 
 
 class PagedAttention(nn.Module):
@@ -39,9 +39,10 @@ class PagedAttention(nn.Module):
     ) -> None:
         super().__init__()
         tp = tp or TPGroup()
+        shard = layer_shard(cfg, tp.rank, tp.size)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads // tp.size,
-            cfg.num_kv_heads // tp.size,
+            shard.num_heads,
+            shard.num_kv_heads,
             cfg.head_dim,
         )
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
@@ -89,7 +90,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = PagedAttention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        tp = tp or TPGroup()
+        intermediate = layer_shard(cfg, tp.rank, tp.size).intermediate
+        self.mlp = GatedMLP(cfg.hidden_size, intermediate, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cis: tuple[torch.Tensor, torch.Tensor]
@@ -113,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.adapt_config(cfg)
         self.config = cfg
         self.tp = tp or TPGroup()
-        check_divisible(cfg, self.tp.size)
+        self.shard = layer_shard(cfg, self.tp.rank, self.tp.size)  # this rank's heads, columns
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, self.tp) for _ in range(cfg.num_layers)
