@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from services.config import ModelConfig, ParallelConfig, WorkerConfig
 from services.types import SamplingParams
+from services.worker_api import WorkerProtocol
 from tests.hf_reference import hf_greedy
 from tests.worker.conftest import spawn_worker, stop_worker
 from tests.worker.driver import DriverRequest, MiniScheduler
@@ -76,7 +78,7 @@ def _config(path: Path, tp: int) -> WorkerConfig:
     )
 
 
-def _generate(worker: Worker) -> dict[str, list[int]]:
+def _generate(worker: WorkerProtocol) -> dict[str, list[int]]:
     """The prompts through a small scheduler: chunked prefill (budget 32), then decode."""
     sched = MiniScheduler(worker, 64, worker.get_kv_cache_spec().block_size, 32, NEW_TOKENS)
     for i, prompt in enumerate(PROMPTS):
@@ -182,3 +184,37 @@ def test_sigterm_stops_rank0_and_its_rank_cleanly(tiny_llama: Path) -> None:
     (rank1,) = _children(proc.pid)
     assert stop_worker(proc) == 0
     assert not _alive(rank1)
+
+
+def test_ranks_started_by_hand_join_over_tcp_and_env(tiny_llama: Path) -> None:
+    """The multi-host form: rank 0 does not spawn (--tp-no-spawn, MASTER_ADDR/MASTER_PORT);
+    rank 1 is its own `python -m worker_service --tp-rank 1 --tp-init-method tcp://...`.
+    The gRPC worker they form answers like HF; rank 1 exits when rank 0 stops."""
+    from scheduler_service.worker_client import GrpcWorkerClient
+    from tests.conftest import free_port
+    from tests.worker.conftest import REPO
+
+    port = free_port()
+    common = ["--model", str(tiny_llama), "--dtype", "float32", "--num-threads", "1"]
+    common += ["--tensor-parallel-size", "2"]
+    by_hand = ["--tp-rank", "1", "--tp-init-method", f"tcp://127.0.0.1:{port}"]
+    rank1 = subprocess.Popen(
+        [sys.executable, "-m", "worker_service", *common, *by_hand],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        proc, address = spawn_worker(*common, "--tp-no-spawn")
+    finally:
+        del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    try:
+        assert _children(proc.pid) == []
+        client = GrpcWorkerClient(address)
+        outputs = _generate(client)
+        client.close()
+    finally:
+        assert stop_worker(proc) == 0
+    assert rank1.wait(timeout=30) == 0
+    expected = hf_greedy(tiny_llama, PROMPTS, NEW_TOKENS, "float32")
+    assert [outputs[str(i)] for i in range(len(PROMPTS))] == expected
