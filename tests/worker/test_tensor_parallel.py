@@ -22,18 +22,9 @@ from services.worker_api import WorkerProtocol
 from tests.hf_reference import hf_greedy
 from tests.worker.conftest import spawn_worker, stop_worker
 from tests.worker.driver import DriverRequest, MiniScheduler
+from tests.worker.test_qwen_models import TINY  # vocab 320, hidden 64, 4 heads over 2 KV
 from worker_service.worker import Worker
 
-TINY: dict[str, Any] = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-)
 PROMPTS = [[(7 * i + 3 * k + 1) % 320 for i in range(n)] for k, n in enumerate((5, 40, 23, 61))]
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
