@@ -168,6 +168,20 @@ def test_worker_process_starts_its_rank_which_dies_with_it(tiny_llama: Path) -> 
     assert not _alive(rank1)
 
 
+def test_rank0_exits_when_its_rank_dies(tiny_llama: Path) -> None:
+    """A dead rank breaks the group: rank 0 exits (non-zero) so its supervisor restarts it."""
+    proc, _address = spawn_worker(
+        "--model", str(tiny_llama), "--dtype", "float32", "--tensor-parallel-size", "2"
+    )
+    (rank1,) = _children(proc.pid)
+    os.kill(rank1, signal.SIGKILL)
+    try:
+        assert proc.wait(timeout=15) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_sigterm_stops_rank0_and_its_rank_cleanly(tiny_llama: Path) -> None:
     proc, _address = spawn_worker(
         "--model", str(tiny_llama), "--dtype", "float32", "--tensor-parallel-size", "2"
@@ -209,3 +223,21 @@ def test_ranks_started_by_hand_join_over_tcp_and_env(tiny_llama: Path) -> None:
     assert rank1.wait(timeout=30) == 0
     expected = hf_greedy(tiny_llama, PROMPTS, NEW_TOKENS, "float32")
     assert [outputs[str(i)] for i in range(len(PROMPTS))] == expected
+
+
+@pytest.mark.slow
+def test_offline_llm_takes_tensor_parallel_size(default_model_dir: Path) -> None:
+    """`LLM(tensor_parallel_size=2)`: the default model (3 KV heads: 2 + 1) split over two
+    ranks in float32 generates HF's greedy tokens; shutdown stops rank 1."""
+    from tessera import LLM
+
+    prompts = [[1, 504, 3458, 282, 4649, 314], PROMPTS[2]]
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", tensor_parallel_size=2)
+    try:
+        (child,) = llm.worker.tp.children
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert child.wait(timeout=30) == 0
+    expected = hf_greedy(default_model_dir, prompts, NEW_TOKENS, "float32")
+    assert [o.outputs[0].token_ids for o in outputs] == expected
