@@ -31,7 +31,6 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_ROW_PARALLEL = ("o_proj", "down_proj")  # sliced along their input features (dim 1)
 
 
 def load_model(
