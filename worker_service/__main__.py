@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
             from worker_service.parallel import resolve_init_method
             from worker_service.tp_worker import run_rank
 
+            if args.tp_rank >= args.tensor_parallel_size:
+                raise ValueError("--tp-rank must be below --tensor-parallel-size")
             if not (args.tp_init_method or resolve_init_method("") == "env://"):
                 raise ValueError("--tp-rank > 0 needs --tp-init-method or MASTER_ADDR/PORT")
             run_rank(config, args.tp_rank, resolve_init_method(args.tp_init_method))
