@@ -138,6 +138,11 @@ def test_impossible_split_is_refused_before_any_rank_starts(tiny_llama: Path) ->
         Worker(_config(tiny_llama, 3))
 
 
+def test_parallel_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        ParallelConfig(tensor_parallel_size=0)
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(
         ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
