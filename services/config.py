@@ -133,6 +133,22 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism of one worker: N ranks joined with torch.distributed."""
+
+    # Ranks the model is split over (heads and MLP columns); 1 means no split.
+    tensor_parallel_size: int = 1
+    # torch.distributed init method; empty: env:// when MASTER_ADDR/MASTER_PORT are set,
+    # else tcp://127.0.0.1:<a free port> chosen by rank 0.
+    init_method: str = ""
+    # Rank 0 starts ranks 1..N-1 as local processes; off when they run elsewhere.
+    spawn_ranks: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """One model runner process."""
 
@@ -146,6 +162,8 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     # Most requests in one step.
     max_num_seqs: int = 256
+    # Tensor parallelism (rank 0 is the worker the scheduler talks to).
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _require(

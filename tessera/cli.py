@@ -75,6 +75,9 @@ def _serve_parser(
     )
     p.add_argument("--log-level", default="INFO")
     add_data_parallel_args(p)
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="worker ranks the model is split over"
+    )
     p.set_defaults(func=serve if name == "serve" else engine, engine_only=name == "engine")
 
 
@@ -102,7 +105,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--kv-cache-memory", replica.kv_cache_memory, "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-            *replica.worker_flags,
+            "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,
         ]  # fmt: skip
         scheduler = [
             py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,

@@ -20,6 +20,7 @@ from scheduler_service.engine import EngineCore
 from services.config import (
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     WorkerConfig,
     parse_bytes,
@@ -79,6 +80,7 @@ class LLM:
         attention_backend: str = "auto",
         num_threads: int = 0,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from worker_service.worker import Worker  # torch comes in with the worker only
 
@@ -94,8 +96,9 @@ class LLM:
             num_threads=num_threads,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
-        self.worker = Worker(worker_config)
+        self.worker = Worker(worker_config)  # tensor parallel: starts ranks 1..N-1
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )

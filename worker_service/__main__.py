@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 
-from services.config import CacheConfig, ModelConfig, WorkerConfig, parse_bytes
+from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
@@ -47,7 +47,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default="INFO")
     add_security_args(p)
+    add_parallel_args(p)
     return p.parse_args(argv)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism flags (worker_service.parallel)."""
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks the model is split over"
+    )
+    p.add_argument(
+        "--tp-init-method",
+        default="",
+        help="torch.distributed init method of the ranks, e.g. tcp://HOST:PORT "
+        "(default: env:// when MASTER_ADDR/MASTER_PORT are set, else a free local port)",
+    )
+    p.add_argument(
+        "--tp-rank",
+        type=int,
+        default=0,
+        help="this process's rank; R > 0 joins rank 0's group (ranks on other hosts)",
+    )
+    p.add_argument(
+        "--tp-no-spawn",
+        action="store_true",
+        help="rank 0 does not start ranks 1..N-1 itself (they run elsewhere)",
+    )
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
@@ -72,6 +97,11 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         num_threads=args.num_threads,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            init_method=args.tp_init_method,
+            spawn_ranks=not args.tp_no_spawn,
+        ),
     )
 
 
@@ -104,6 +134,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = build_config(args)
         set_internal_security(security_from_args(args))
+        if args.tp_rank > 0:  # a rank started by hand: no gRPC service, follow rank 0
+            from worker_service.parallel import resolve_init_method
+            from worker_service.tp_worker import run_rank
+
+            if args.tp_rank >= args.tensor_parallel_size:
+                raise ValueError("--tp-rank must be below --tensor-parallel-size")
+            if not (args.tp_init_method or resolve_init_method("") == "env://"):
+                raise ValueError("--tp-rank > 0 needs --tp-init-method or MASTER_ADDR/PORT")
+            run_rank(config, args.tp_rank, resolve_init_method(args.tp_init_method))
+            return
         asyncio.run(serve(config, f"{args.host}:{args.port}"))
     except (ValueError, FileNotFoundError, OSError) as exc:
         log.error("%s", exc)

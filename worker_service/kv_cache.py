@@ -21,13 +21,17 @@ log = logging.getLogger(__name__)
 CPU_RAM_FRACTION = 0.9
 
 
-def make_spec(cfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    """Layout and byte size of one block across all layers (K and V)."""
+def make_spec(
+    cfg: ModelArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int = 0
+) -> KVCacheSpec:
+    """Layout and byte size of one block across all layers (K and V), on one rank: with
+    tensor parallelism each rank holds its `num_kv_heads` of every block (0: all)."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    num_kv_heads = num_kv_heads or cfg.num_kv_heads
+    per_layer = 2 * block_size * num_kv_heads * cfg.head_dim * elem
     return KVCacheSpec(
         num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=cfg.head_dim,
         dtype=str(dtype).removeprefix("torch."),
         block_size=block_size,

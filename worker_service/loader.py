@@ -2,12 +2,15 @@
 
 HF checkpoints store q/k/v and gate/up projections separately; the models fuse
 them, so each checkpoint tensor is copied into a row range of a fused weight.
+With tensor parallelism each rank reads only its share of each layer tensor
+(safetensors slices): its rows of q/k/v and gate/up, its columns of o and down.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -16,6 +19,7 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.registry import model_class
+from worker_service.parallel import LayerShard, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +34,19 @@ _FUSED = {
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Instantiate the registered class for `model_dir` and load its safetensors weights."""
+    """Instantiate the registered class for `model_dir` and load its safetensors weights
+    (this rank's share of them under tensor parallelism)."""
+    tp = tp or TPGroup()
     cfg = read_model_config(model_dir)
     cls = model_class(cfg.architecture)
     with torch.device(device):
-        model = cls(cfg, backend)
+        model = cls(cfg, backend, tp)
     _cast(model, dtype)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -45,9 +55,42 @@ def load_model(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                loaded |= _load_tensor(model, model.config, name, f.get_tensor(name))
+                tensor = _read_share(f, name, model.shard, model.config.head_dim)
+                loaded |= _load_tensor(model, model.config, name, tensor, model.shard)
     _check_complete(model, loaded)
+    _log_weight_bytes(model, tp)
     return model.eval()
+
+
+def _read_share(f: Any, name: str, shard: LayerShard, head_dim: int) -> torch.Tensor:
+    """Checkpoint tensor `name`, or only this rank's slice of it (never the whole)."""
+    parts = name.split(".")
+    proj = parts[-2] if len(parts) >= 3 else ""
+    q = (shard.q_start * head_dim, (shard.q_start + shard.num_heads) * head_dim)
+    kv = (shard.kv_start * head_dim, shard.kv_end * head_dim)
+    mlp = (shard.mlp_start, shard.mlp_end)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+    if proj in rows:  # column-parallel: output rows (weight and bias)
+        start, end = rows[proj]
+        return f.get_slice(name)[start:end]
+    columns = {"o_proj": q, "down_proj": mlp}
+    if proj in columns and parts[-1] == "weight":  # row-parallel: input columns
+        start, end = columns[proj]
+        return f.get_slice(name)[:, start:end]
+    return f.get_tensor(name)
+
+
+def _log_weight_bytes(model: LlamaForCausalLM, tp: TPGroup) -> None:
+    """Log what this rank holds: the decoder layers (split) and everything (incl. embedding)."""
+    layers = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info(
+        "rank %d holds %.1f MB of layer weights (%d bytes; %.1f MB with embedding and head)",
+        tp.rank,
+        layers / 1e6,
+        layers,
+        total / 1e6,
+    )
 
 
 def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
@@ -58,7 +101,11 @@ def _cast(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 
 
 def _load_tensor(
-    model: LlamaForCausalLM, cfg: ModelArchConfig, name: str, tensor: torch.Tensor
+    model: LlamaForCausalLM,
+    cfg: ModelArchConfig,
+    name: str,
+    tensor: torch.Tensor,
+    shard: LayerShard,
 ) -> set[str]:
     """Copy one checkpoint tensor into its parameter; returns the parameter names it filled."""
     name = name.removeprefix("model.")
@@ -67,11 +114,11 @@ def _load_tensor(
     params = dict(model.named_parameters())
     parts = name.split(".")
     if len(parts) >= 3 and parts[-2] in _FUSED:
-        fused, shard = _FUSED[parts[-2]]
+        fused, part = _FUSED[parts[-2]]
         target = ".".join([*parts[:-2], fused, parts[-1]])
-        rows = _shard_rows(cfg, fused, shard)
+        rows = _fused_rows(cfg, fused, part, shard)
         params[target].data[rows[0] : rows[1]].copy_(tensor)
-        return {f"{target}#{shard}"}
+        return {f"{target}#{part}"}
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
     if params[name].shape != tensor.shape:
@@ -82,12 +129,13 @@ def _load_tensor(
     return {name}
 
 
-def _shard_rows(cfg: ModelArchConfig, fused: str, shard: int) -> tuple[int, int]:
-    """Row range of shard `shard` inside a fused weight."""
+def _fused_rows(cfg: ModelArchConfig, fused: str, part: int, shard: LayerShard) -> tuple[int, int]:
+    """Row range of part `part` (q/k/v or gate/up) inside this rank's fused weight."""
     if fused == "gate_up_proj":
-        return shard * cfg.intermediate_size, (shard + 1) * cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        inter = shard.intermediate
+        return part * inter, (part + 1) * inter
+    q, kv = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
+    return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][part]
 
 
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:

@@ -32,6 +32,7 @@ from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.loader import load_model
 from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
+from worker_service.parallel import TPGroup
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
 from worker_service.structured import StructuredOutputs
@@ -44,11 +45,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 class ModelRunner:
     """Owns the model, the KV pool, the per-request state and the sampler of one worker."""
 
-    def __init__(self, config: WorkerConfig, model_dir: Path, device: torch.device) -> None:
+    def __init__(
+        self, config: WorkerConfig, model_dir: Path, device: torch.device, tp: TPGroup | None = None
+    ) -> None:
         self.config, self.device = config, device
+        self.tp = tp or TPGroup()  # tensor parallel: this rank's share of the model and KV
         self.dtype = DTYPES[config.model.dtype]
         self.backend = get_attention_backend(config.attention_backend, device)
-        self.model = load_model(model_dir, self.dtype, device, self.backend)
+        self.model = load_model(model_dir, self.dtype, device, self.backend, self.tp)
         if self.dtype == torch.bfloat16 and device.type == "cpu":
             self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))
         arch = self.model.config
@@ -56,7 +60,9 @@ class ModelRunner:
             config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
         )
         self.block_size = config.cache.block_size
-        self.spec = kv_cache.make_spec(arch, self.block_size, self.dtype)
+        self.spec = kv_cache.make_spec(
+            arch, self.block_size, self.dtype, self.model.shard.num_kv_heads
+        )
         self.input_batch = InputBatch(
             config.max_num_seqs, self.max_model_len, self.block_size, arch.vocab_size
         )
@@ -117,6 +123,7 @@ class ModelRunner:
         if not order:
             return out
         step = self.input_batch.prepare(order, counts, self.device)
+        self.tp.send_step(step.input_ids, step.positions, step.meta)  # ranks 1..N-1 run it too
         t1 = time.perf_counter()
         with torch.inference_mode(), forward_context(step.meta):
             hidden = self.model(step.input_ids, step.positions)  # [num_tokens, hidden]

@@ -13,6 +13,7 @@ from services.default_model import resolve_model, served_name
 from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, SchedulerOutput
 from worker_service import kv_cache
 from worker_service.model_runner import ModelRunner
+from worker_service.parallel import TPGroup, start_group
 
 log = logging.getLogger(__name__)
 
@@ -27,24 +28,32 @@ def select_device(name: str) -> torch.device:
     return device
 
 
-def configure_threads(num_threads: int) -> int:
-    """Set torch's intra-op threads (0 = every core this process may run on); returns the count."""
+def configure_threads(num_threads: int, ranks_per_host: int = 1) -> int:
+    """Set torch's intra-op threads (0 = this process's share of the cores it may run on, when
+    `ranks_per_host` tensor-parallel ranks share them); returns the count."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    count = num_threads or cores or 1
+    count = num_threads or max(1, (cores or 1) // ranks_per_host)
     torch.set_num_threads(count)
     return count
 
 
 class Worker:
-    """Loads the model at construction; then serves the WorkerProtocol calls one at a time."""
+    """Loads the model at construction; then serves the WorkerProtocol calls one at a time.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    With tensor parallelism this is every rank's worker: rank 0 (built without `tp`) starts
+    the group and sends each call to the other ranks (worker_service.parallel)."""
+
+    def __init__(self, config: WorkerConfig, tp: TPGroup | None = None) -> None:
         self.config = config
         self.device = select_device(config.model.device)
+        self.tp = tp if tp is not None else start_group(config, self.device)
+        self.device = self.tp.local_device(self.device)
         if self.device.type == "cpu":
-            configure_threads(config.num_threads)
+            configure_threads(
+                config.num_threads, self.tp.size if config.parallel.spawn_ranks else 1
+            )
         model_dir = resolve_model(config.model.model)
-        self.runner = ModelRunner(config, model_dir, self.device)
+        self.runner = ModelRunner(config, model_dir, self.device, self.tp)
         arch = self.runner.model.config
         self.model_info = ModelInfo(
             model_name=config.model.served_model_name or served_name(config.model.model),
@@ -74,11 +83,19 @@ class Worker:
     def determine_available_memory(self) -> int:
         """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner).
         A handshake is starting, so a pool an earlier scheduler had is released first (it
-        would count as used memory)."""
+        would count as used memory). Tensor parallel: each rank's own budget; what this returns
+        makes the scheduler pick the fewest blocks any rank can hold (ranks' blocks differ in
+        size: their KV heads)."""
         self._release_pool()
+        self.tp.command("memory")
         if self.device.type == "cuda":
-            return self.runner.profile_gpu_memory(self.config.cache.gpu_memory_utilization)
-        return kv_cache.cpu_kv_budget(self.config.cache.kv_cache_memory_bytes)
+            available = self.runner.profile_gpu_memory(self.config.cache.gpu_memory_utilization)
+        else:
+            available = kv_cache.cpu_kv_budget(self.config.cache.kv_cache_memory_bytes)
+        if self.tp.size == 1:
+            return available
+        block = self.runner.spec.bytes_per_block
+        return self.tp.min_over_ranks(available // block) * block
 
     def initialize_cache(self, num_blocks: int) -> int:
         """Allocate the KV pool; a (re)connecting scheduler starts a fresh session, so the
@@ -86,6 +103,7 @@ class Worker:
         for request_id in list(self.runner.input_batch.requests):
             self.runner.input_batch.remove(request_id)
         self._release_pool()  # never two pools at once
+        self.tp.command("cache", num_blocks)
         allocated = self.runner.initialize_cache(num_blocks)
         log.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB",
@@ -108,3 +126,4 @@ class Worker:
     def shutdown(self) -> None:
         kv_cache.release(self.runner.model)
         self.runner.num_blocks = 0
+        self.tp.stop()

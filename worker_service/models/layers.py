@@ -15,6 +15,7 @@ from torch import nn
 
 from worker_service.models.config import RopeConfig
 from worker_service.models.cpu_ops import CpuOps
+from worker_service.parallel import TPGroup
 
 
 def pack_onednn(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,6 +68,20 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         out = linear_onednn(x.to(self.compute_dtype), self.packed, self.packed_bias)
         return out.to(x.dtype)
+
+
+class RowParallelLinear(Linear):
+    """Tensor parallel: a Linear over this rank's slice of the input features (the output
+    of a column-parallel layer); the ranks' partial outputs are summed by an all-reduce.
+    Column-parallel layers need no class of their own: a Linear with this rank's share of
+    the output rows (the loader slices the checkpoint). No bias (o_proj and down_proj)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
 
 
 class RMSNorm(nn.Module):
@@ -156,10 +171,11 @@ class GatedMLP(nn.Module):
 
     ops: CpuOps | None = None  # fused CPU kernel (LlamaForCausalLM.use_cpu_ops)
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup()  # tensor parallel: `intermediate` is this rank's columns
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp)
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,25 +16,39 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig
 from worker_service.models.context import get_attention_metadata
 from worker_service.models.cpu_ops import CpuOps
-from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from worker_service.models.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+)
+from worker_service.parallel import TPGroup, layer_shard
 
 
 class PagedAttention(nn.Module):
-    """Self-attention over the paged KV pool: fused qkv, RoPE, optional q/k norm, GQA."""
+    """Self-attention over the paged KV pool: fused qkv, RoPE, optional q/k norm, GQA.
+
+    Tensor parallel: this rank's q heads and KV heads (qkv column-parallel, o_proj
+    row-parallel), and a KV pool of its KV heads only."""
 
     ops: CpuOps | None = None  # fused CPU RoPE (LlamaForCausalLM.use_cpu_ops)
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
+        tp = tp or TPGroup()
+        shard = layer_shard(cfg, tp.rank, tp.size)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            shard.num_heads,
+            shard.num_kv_heads,
             cfg.head_dim,
         )
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = [q_size + kv_size, kv_size]
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -69,12 +83,16 @@ class PagedAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block with the residual carried separately."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = PagedAttention(cfg, backend)
+        self.self_attn = PagedAttention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        tp = tp or TPGroup()
+        intermediate = layer_shard(cfg, tp.rank, tp.size).intermediate
+        self.mlp = GatedMLP(cfg.hidden_size, intermediate, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cis: tuple[torch.Tensor, torch.Tensor]
@@ -86,14 +104,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / SmolLM2: embeddings, decoder layers, final norm, (tied) LM head."""
+    """Llama / Mistral / SmolLM2: embeddings, decoder layers, final norm, (tied) LM head.
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    Tensor parallel (`tp`): the decoder layers hold this rank's share; the embedding and
+    the LM head are replicated (see worker_service.parallel)."""
+
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         cfg = self.adapt_config(cfg)
         self.config = cfg
+        self.tp = tp or TPGroup()
+        self.shard = layer_shard(cfg, self.tp.rank, self.tp.size)  # this rank's heads, columns
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, self.tp) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
