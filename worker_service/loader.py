@@ -61,14 +61,17 @@ def _load_tensor(
     model: LlamaForCausalLM, cfg: ModelArchConfig, name: str, tensor: torch.Tensor
 ) -> set[str]:
     """Copy one checkpoint tensor into its parameter; returns the parameter names it filled."""
-    name = name.removeprefix("model.")
-    if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+    rename = getattr(model, "checkpoint_name", None)  # VLMs map their HF layouts
+    name = rename(name) if rename is not None else name.removeprefix("model.")
+    if not name or "rotary_emb" in name:
+        return set()
+    if name.endswith("lm_head.weight") and cfg.tie_word_embeddings:
         return set()
     params = dict(model.named_parameters())
     parts = name.split(".")
-    if len(parts) >= 3 and parts[-2] in _FUSED:
-        fused, shard = _FUSED[parts[-2]]
-        target = ".".join([*parts[:-2], fused, parts[-1]])
+    fused_target = _fused_target(parts)
+    if fused_target is not None and fused_target[0] in params:  # (HF vision towers stay unfused)
+        target, fused, shard = fused_target
         rows = _shard_rows(cfg, fused, shard)
         params[target].data[rows[0] : rows[1]].copy_(tensor)
         return {f"{target}#{shard}"}
@@ -80,6 +83,14 @@ def _load_tensor(
         )
     params[name].data.copy_(tensor)
     return {name}
+
+
+def _fused_target(parts: list[str]) -> tuple[str, str, int] | None:
+    """(fused parameter name, fused kind, shard) for a q/k/v or gate/up checkpoint tensor."""
+    if len(parts) < 3 or parts[-2] not in _FUSED:
+        return None
+    fused, shard = _FUSED[parts[-2]]
+    return ".".join([*parts[:-2], fused, parts[-1]]), fused, shard
 
 
 def _shard_rows(cfg: ModelArchConfig, fused: str, shard: int) -> tuple[int, int]:

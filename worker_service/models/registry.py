@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from worker_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from worker_service.models.llava import LlavaForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

@@ -1,0 +1,112 @@
+"""Tiny random-weight vision-language models saved as HF directories (no download).
+
+The tokenizer is the default model's (SmolLM2) with the image token added; the chat
+template is SmolLM2's ChatML, extended to render image parts as the image token.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+IMAGE_TOKEN = "<image>"
+
+# ChatML that renders {"type": "image"} / {"type": "image_url"} parts as the image token.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% else %}<image>\n{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(default_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_llava(out_dir: Path, default_model_dir: Path, seed: int = 0) -> Path:
+    """A random LlavaForConditionalGeneration (tiny CLIP + tiny Llama) + its processor."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tok = _tokenizer(default_model_dir)
+    image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    config.eos_token_id = tok.eos_token_id
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random init is tiny; widen it so outputs depend on the image
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else None
+    model.save_pretrained(out_dir)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        chat_template=CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def sample_image(seed: int, size: tuple[int, int] = (40, 30)) -> Image.Image:
+    """A reproducible random RGB image."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy(), "RGB")
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
