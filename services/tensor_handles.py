@@ -135,6 +135,10 @@ class MappedTensor:
         self.mapping = mapping
         self._segment = segment
 
+    @property
+    def closed(self) -> bool:
+        return self.tensor is None and self._segment is None
+
     def close(self) -> None:
         self.tensor = None
         if self._segment is not None:
