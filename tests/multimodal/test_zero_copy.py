@@ -50,11 +50,12 @@ def test_worker_encodes_straight_from_the_mapping(
 
     monkeypatch.setattr(worker_mm, "map_tensor", recording_map)
     llm = LLM(str(tiny_llava_dir), dtype="float32", kv_cache_memory="16MiB")
-    encode = llm.worker.runner.model.encode_images
+    encode = llm.worker.runner.mm.encoder
+    assert encode is not None
 
     def recording_encode(pixels: torch.Tensor) -> list[torch.Tensor]:
         seen.append((pixels.data_ptr(), pixels.nbytes, *opened[-1].mapping))
-        return encode(pixels)  # type: ignore[no-any-return]
+        return encode(pixels)
 
     monkeypatch.setattr(llm.worker.runner.mm, "encoder", recording_encode)
     try:
