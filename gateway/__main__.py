@@ -51,6 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds streams may finish on SIGTERM"
     )
+    add_media_args(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_args(p)  # the gateway's channel to the scheduler
     return p.parse_args(argv)
@@ -70,6 +71,31 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=parse_bytes(args.max_body_bytes),
         max_inflight_bytes=parse_bytes(args.max_inflight_bytes),
         drain_timeout_s=args.drain_timeout,
+        limit_images_per_prompt=args.limit_images_per_prompt,
+        max_image_bytes=parse_bytes(args.max_image_bytes),
+        max_image_pixels=args.max_image_pixels,
+        allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains),
+        media_fetch_timeout_s=args.media_fetch_timeout,
+    )
+
+
+def add_media_args(p: argparse.ArgumentParser) -> None:
+    """Image options (vision-language models); `tessera serve` passes them through."""
+    p.add_argument(
+        "--limit-images-per-prompt", type=int, default=8, help="images one prompt may carry"
+    )
+    p.add_argument("--max-image-bytes", default="20MiB", help="largest encoded image")
+    p.add_argument(
+        "--max-image-pixels", type=int, default=4096 * 4096, help="largest width * height"
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        help="hosts http(s) image URLs may come from (none: remote URLs refused)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout", type=float, default=10.0, help="seconds per remote image"
     )
 
 

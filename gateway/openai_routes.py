@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -42,15 +43,24 @@ class OpenAIRoutes:
         options = tools.chat_options(req)
         plan = tools.plan_for(req)
         card = await self.serving.check_model(req.model)
-        if req.has_images:
+        images = self.serving.images
+        if req.has_images and images is None:
             raise InvalidRequest(
                 f"'{card.name}' is a text-only model; image_url content parts are not supported",
                 "messages",
             )
-        prompt = await self._encode_chat(req)
-        job = GenerateJob(rs.new_id("chatcmpl"), [prompt], options)
+        job = GenerateJob(rs.new_id("chatcmpl"), [], options)
+        if req.has_images and images is not None:
+            job.images = await images.prepare_chat(
+                req.messages, self._chat_turns(req), self.serving.tokenizer, card.host_id
+            )
+        job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
         collector = rs.Collector(job)
-        first, stream = await self._start(request, job)
+        try:
+            first, stream = await self._start(request, job)
+        except BaseException:
+            job.release()  # the stream never ran: free the images here
+            raise
         with_logprobs = options.logprobs is not None
         tok = self.serving.tokenizer
         if not req.stream:
@@ -88,7 +98,7 @@ class OpenAIRoutes:
         tok = self.serving.tokenizer
         offered = req.tools if req.effective_tool_choice != "none" else None
         native = tools.template_takes_tools(tok.hf)
-        turns = tools.chat_turns(req.messages, offered, native)
+        turns = self._chat_turns(req)
         try:
             if not (native and offered):
                 return await tok.encode_chat_async(turns)
@@ -102,6 +112,11 @@ class OpenAIRoutes:
             return await tok.encode_async(str(text), False)
         except Exception as exc:  # jinja errors from the template (e.g. unsupported roles)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
+
+    def _chat_turns(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        offered = req.tools if req.effective_tool_choice != "none" else None
+        native = tools.template_takes_tools(self.serving.tokenizer.hf)
+        return tools.chat_turns(req.messages, offered, native)
 
     async def _echo_texts(self, req: CompletionRequest, job: GenerateJob) -> dict[int, str]:
         texts = {}

@@ -185,6 +185,15 @@ class GatewayConfig:
     max_inflight_bytes: int = 256 << 20
     # Seconds in-flight streams may take to finish on SIGTERM.
     drain_timeout_s: float = 30.0
+    # Images one prompt may carry (vision-language models); more get 400.
+    limit_images_per_prompt: int = 8
+    # Largest encoded image, in bytes, and largest width * height: a bound on decode cost.
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 4096 * 4096
+    # Hosts http(s) image URLs may come from (and their subdomains); empty: remote URLs off.
+    allowed_media_domains: tuple[str, ...] = ()
+    # Seconds one remote image fetch may take.
+    media_fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(":" in self.scheduler_address, "scheduler_address must be host:port")
@@ -194,6 +203,9 @@ class GatewayConfig:
         _require(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         _require(self.max_inflight_bytes >= 1024, "max_inflight_bytes must be >= 1024")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+        _require(self.limit_images_per_prompt >= 1, "limit_images_per_prompt must be >= 1")
+        _require(min(self.max_image_bytes, self.max_image_pixels) >= 1, "image caps must be >= 1")
+        _require(self.media_fetch_timeout_s > 0, "media_fetch_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

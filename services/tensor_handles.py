@@ -27,11 +27,13 @@ import contextlib
 import math
 import os
 import secrets
+import socket
 import sys
 import weakref
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 from unittest import mock
@@ -177,6 +179,14 @@ def map_tensor(handle: TensorHandle) -> MappedTensor:
         segment.close()
         raise
     return MappedTensor(tensor, segment, mapping)
+
+
+def host_id() -> str:
+    """This host and shared-memory namespace: the kernel boot id and the host name (two
+    containers on one machine differ by host name, and usually by /dev/shm too)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    boot_id = boot.read_text().strip() if boot.is_file() else ""
+    return f"{socket.gethostname()}/{boot_id}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

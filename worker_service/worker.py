@@ -10,6 +10,7 @@ import torch
 from services.config import WorkerConfig
 from services.default_model import resolve_model, served_name
 from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, SchedulerOutput
+from services.tensor_handles import host_id
 from worker_service import kv_cache
 from worker_service.model_runner import ModelRunner
 
@@ -53,6 +54,7 @@ class Worker:
             architecture=arch.architecture,
             dtype=config.model.dtype,
             device=str(self.device),
+            host_id=host_id(),
         )
         log.info(
             "loaded %s (%s, %s) on %s, attention backend %s",

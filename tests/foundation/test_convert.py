@@ -141,6 +141,7 @@ CASES: list[Any] = [
         architecture="LlamaForCausalLM",
         dtype="bfloat16",
         device="cpu",
+        host_id="h/boot",
     ),
     KVCacheSpec(
         num_layers=30,
@@ -163,6 +164,7 @@ CASES: list[Any] = [
         max_num_batched_tokens=2048,
         enable_prefix_caching=True,
         num_workers=2,
+        host_id="h/boot",
     ),
     SchedulerStats(
         num_running=3,
