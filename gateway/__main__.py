@@ -7,6 +7,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 
+from gateway.options import add_media_args
 from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
@@ -76,26 +77,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_image_pixels=args.max_image_pixels,
         allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains),
         media_fetch_timeout_s=args.media_fetch_timeout,
-    )
-
-
-def add_media_args(p: argparse.ArgumentParser) -> None:
-    """Image options (vision-language models); `tessera serve` passes them through."""
-    p.add_argument(
-        "--limit-images-per-prompt", type=int, default=8, help="images one prompt may carry"
-    )
-    p.add_argument("--max-image-bytes", default="20MiB", help="largest encoded image")
-    p.add_argument(
-        "--max-image-pixels", type=int, default=4096 * 4096, help="largest width * height"
-    )
-    p.add_argument(
-        "--allowed-media-domains",
-        nargs="*",
-        default=[],
-        help="hosts http(s) image URLs may come from (none: remote URLs refused)",
-    )
-    p.add_argument(
-        "--media-fetch-timeout", type=float, default=10.0, help="seconds per remote image"
     )
 
 

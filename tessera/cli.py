@@ -7,6 +7,7 @@ import os
 import secrets
 import sys
 
+from gateway.options import add_media_args, media_flags
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.launcher import Launcher, Service, grpc_ok, http_ok
@@ -48,6 +49,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--start-timeout", type=float, default=300.0, help="seconds each service may take to start"
     )
+    add_media_args(p)
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=serve)
 
@@ -83,7 +85,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
-        "--drain-timeout", str(args.drain_timeout), *common,
+        "--drain-timeout", str(args.drain_timeout), *media_flags(args), *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     env = {TOKEN_ENV: token}
