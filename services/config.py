@@ -122,9 +122,17 @@ class SchedulerConfig:
     # Schedule step n+1 while the workers run step n (vLLM's async scheduling): the worker
     # never waits for the scheduler; off runs schedule -> execute -> update in turn.
     async_scheduling: bool = True
+    # Multimodal placeholder tokens (image embeddings) the workers may encode in one step;
+    # 0 means max_num_batched_tokens. Bounds the vision-encoder time of a step.
+    max_num_encoder_tokens: int = 0
+
+    @property
+    def encoder_budget(self) -> int:
+        return self.max_num_encoder_tokens or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_num_encoder_tokens >= 0, "max_num_encoder_tokens must be >= 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(
             self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
