@@ -146,11 +146,12 @@ class MultiModalProcessor:
             add_special_tokens=add_special_tokens,
         )
         ids: list[int] = out["input_ids"][0].tolist()
-        ranges = self._ranges(ids, images)
+        patches = self._patches(images)
+        ranges = self._ranges(ids, patches)
         prepared = PreparedImages(ids)
         try:
             for image, pixels, (start, end) in zip(
-                images, _per_image(out["pixel_values"], len(images)), ranges, strict=True
+                images, _per_image(out, patches), ranges, strict=True
             ):
                 export = export_tensor(pixels.contiguous(), mode)
                 prepared.exports.append(export)
@@ -162,12 +163,15 @@ class MultiModalProcessor:
             raise
         return prepared
 
-    def _ranges(self, ids: list[int], images: Sequence[Image.Image]) -> list[tuple[int, int]]:
+    def _patches(self, images: Sequence[Image.Image]) -> list[int]:
+        """Tiles (patches) the processor makes of each image: 1 for LLaVA."""
+        sizes = [(im.height, im.width) for im in images]
+        return list(self.hf._get_num_multimodal_tokens(image_sizes=sizes).num_image_patches)
+
+    def _ranges(self, ids: list[int], patches: list[int]) -> list[tuple[int, int]]:
         """[start, end) of each image's image tokens, splitting them by each image's patch
         count (adjacent images may form one run of tokens)."""
         positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        sizes = [(im.height, im.width) for im in images]
-        patches = list(self.hf._get_num_multimodal_tokens(image_sizes=sizes).num_image_patches)
         per_patch, rest = divmod(len(positions), sum(patches))
         if rest or per_patch == 0:
             raise InvalidRequest("the processor's image tokens do not match the images")
@@ -177,11 +181,20 @@ class MultiModalProcessor:
         ]
 
 
-def _per_image(pixel_values: torch.Tensor, num_images: int) -> list[torch.Tensor]:
-    """pixel_values of one prompt split per image: LLaVA [images, 3, H, W] -> [3, H, W]."""
-    if pixel_values.dim() != 4 or pixel_values.shape[0] != num_images:
-        raise InvalidRequest(f"unsupported pixel_values layout {list(pixel_values.shape)}")
-    return list(pixel_values)
+def _per_image(out: Any, patches: list[int]) -> list[torch.Tensor]:
+    """The processor's pixel values of one prompt split per image: LLaVA [images, 3, H, W]
+    -> [3, H, W]; Idefics3 [1, tiles, 3, H, W] (+ pixel_attention_mask [1, tiles, H, W])
+    -> [image's tiles, 4, H, W], the mask as a fourth channel."""
+    pixels: torch.Tensor = out["pixel_values"]
+    if pixels.dim() == 4 and pixels.shape[0] == len(patches):
+        return list(pixels)
+    if pixels.dim() != 5 or pixels.shape[:2] != (1, sum(patches)):
+        raise InvalidRequest(f"unsupported pixel_values layout {list(pixels.shape)}")
+    tiles = pixels[0]  # [tiles, 3, H, W]
+    mask = out.get("pixel_attention_mask")
+    if mask is not None:
+        tiles = torch.cat([tiles, mask[0].unsqueeze(1).to(tiles.dtype)], dim=1)
+    return list(tiles.split(patches))
 
 
 def chat_images(

@@ -66,25 +66,28 @@ def test_generate_with_images_matches_hf(llm: Any, tiny_llava_dir: Path) -> None
         assert out.outputs[0].token_ids == hf_vlm_greedy(tiny_llava_dir, text, images, MAX_TOKENS)
 
 
-def test_chat_with_images_matches_hf(llm: Any, tiny_llava_dir: Path) -> None:
+def hf_chat_prompt(model_dir: Path, chat: list[dict[str, Any]]) -> str:
+    """The chat rendered by the model's own processor, image_url parts as {"type": "image"}."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_llava_dir)
+    turns = [
+        {
+            **m,
+            "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]],
+        }
+        if isinstance(m["content"], list)
+        else m
+        for m in chat
+    ]
+    processor = AutoProcessor.from_pretrained(model_dir)
+    return str(processor.apply_chat_template(turns, add_generation_prompt=True))
+
+
+def test_chat_with_images_matches_hf(llm: Any, tiny_llava_dir: Path) -> None:
     outs = llm.chat(CHATS, PARAMS)
     images = [[sample_image(1)], [sample_image(2)]]
     for chat, pil, out in zip(CHATS, images, outs, strict=True):
-        turns = [
-            {
-                **m,
-                "content": [
-                    {"type": "image"} if p["type"] == "image_url" else p for p in m["content"]
-                ],
-            }
-            if isinstance(m["content"], list)
-            else m
-            for m in chat
-        ]
-        text = processor.apply_chat_template(turns, add_generation_prompt=True)
+        text = hf_chat_prompt(tiny_llava_dir, chat)
         expected = hf_vlm_greedy(tiny_llava_dir, text, pil, MAX_TOKENS, add_special_tokens=False)
         assert out.outputs[0].token_ids == expected
 

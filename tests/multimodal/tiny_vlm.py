@@ -110,3 +110,61 @@ def png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def build_tiny_idefics3(out_dir: Path, default_model_dir: Path, seed: int = 0) -> Path:
+    """A random Idefics3ForConditionalGeneration (tiny SigLIP-style encoder, pixel-shuffle
+    connector, tiny Llama) + its processor, which tiles large images (SmolVLM's layout)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        LlamaConfig,
+    )
+
+    tok = _tokenizer(default_model_dir)
+    tags = ["<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    tok.add_tokens(tags)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessor(
+            size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+        ),
+        tokenizer=tok,
+        image_seq_len=4,  # (32 / 8) ** 2 patches / scale_factor ** 2
+        chat_template=CHAT_TEMPLATE,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 32,
+        "patch_size": 8,
+    }
+    config = Idefics3Config(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=processor.image_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else None
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
