@@ -1,4 +1,5 @@
-"""Acceptance 1 and 2 over HTTP: `tessera serve --model <tiny LLaVA> --dtype float32`,
+"""Acceptance 1 and 2 over HTTP: `tessera serve --model <tiny LLaVA | tiny Idefics3>
+--dtype float32`,
 driven by the official openai client. Greedy output equals HF generate on the same inputs;
 a repeated image request hits the prefix cache past the image, a different image does not."""
 
@@ -13,7 +14,12 @@ import openai
 import pytest
 
 from tests.multimodal.hf_vlm import hf_vlm_greedy
-from tests.multimodal.tiny_vlm import build_tiny_llava, png_bytes, sample_image
+from tests.multimodal.tiny_vlm import (
+    build_tiny_idefics3,
+    build_tiny_llava,
+    png_bytes,
+    sample_image,
+)
 from tests.stack.harness import Stack, start_stack
 
 pytestmark = pytest.mark.slow
@@ -46,9 +52,17 @@ CHATS: list[tuple[list[dict[str, Any]], list[int]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    return build_tiny_llava(tmp_path_factory.mktemp("llava"), default_model_dir)
+BUILDERS = {"llava": build_tiny_llava, "idefics3": build_tiny_idefics3}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def model_dir(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    default_model_dir: Path,
+) -> Path:
+    build = BUILDERS[request.param]
+    return build(tmp_path_factory.mktemp(request.param), default_model_dir)
 
 
 @pytest.fixture(scope="module")
