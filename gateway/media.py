@@ -105,6 +105,23 @@ class ImageService:
             raise InvalidRequest(f"cannot fetch the image: {type(exc).__name__}") from None
 
 
+async def prepare_chat_images(
+    service: ImageService | None,
+    model_name: str,
+    messages: Sequence[ChatMessage],
+    turns: list[dict[str, Any]],
+    tokenizer: Tokenizer,
+    worker_host_id: str,
+) -> PreparedImages:
+    """`service.prepare_chat`, or 400 when the served model takes no images."""
+    if service is None:
+        raise InvalidRequest(
+            f"'{model_name}' is a text-only model; image_url content parts are not supported",
+            "messages",
+        )
+    return await service.prepare_chat(messages, turns, tokenizer, worker_host_id)
+
+
 def _image_urls(messages: Sequence[ChatMessage]) -> list[str]:
     return [
         p.image_url.url

@@ -24,6 +24,7 @@ from gateway import tools
 from gateway.chunks import ChatChunks, ChunkBuilder, CompletionChunks
 from gateway.errors import ApiError, InvalidRequest, internal_error
 from gateway.http_io import ClientDisconnected, read_json, until_disconnect
+from gateway.media import prepare_chat_images
 from gateway.output import ChoiceDelta
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.serving import GenerateJob, Serving
@@ -43,16 +44,15 @@ class OpenAIRoutes:
         options = tools.chat_options(req)
         plan = tools.plan_for(req)
         card = await self.serving.check_model(req.model)
-        images = self.serving.images
-        if req.has_images and images is None:
-            raise InvalidRequest(
-                f"'{card.name}' is a text-only model; image_url content parts are not supported",
-                "messages",
-            )
         job = GenerateJob(rs.new_id("chatcmpl"), [], options)
-        if req.has_images and images is not None:
-            job.images = await images.prepare_chat(
-                req.messages, self._chat_turns(req), self.serving.tokenizer, card.host_id
+        if req.has_images:
+            job.images = await prepare_chat_images(
+                self.serving.images,
+                card.name,
+                req.messages,
+                self._chat_turns(req),
+                self.serving.tokenizer,
+                card.host_id,
             )
         job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
         collector = rs.Collector(job)

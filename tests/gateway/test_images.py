@@ -191,3 +191,37 @@ def test_remote_urls_off_by_default(default_model_dir: Path, tmp_path: Path) -> 
     assert service is not None and service.allowed_domains == ()
     with pytest.raises(InvalidRequest, match="remote image URLs are off"):
         asyncio.run(service._fetch("http://127.0.0.1:1/cat.png"))
+
+
+def _grpc_image_chat(data: bytes) -> Any:
+    from services.pb import generate_pb2 as pb
+
+    parts = [
+        pb.ContentPart(text="What is in the picture?"),
+        pb.ContentPart(image=pb.Image(data=data, mime_type="image/png")),
+    ]
+    return pb.ChatRequest(messages=[pb.ChatMessage(role="user", parts=parts)])
+
+
+def test_grpc_chat_takes_image_parts(vlm_stack: Stack) -> None:
+    import grpc
+
+    from services.config import SecurityConfig
+    from services.grpc_utils import sync_channel
+    from services.pb import generate_pb2_grpc as pb_grpc
+
+    vlm_stack.engine.reset()
+    image = sample_image(7)
+    security = SecurityConfig(token=API_KEY)
+    with sync_channel(vlm_stack.grpc_address, security=security) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        reply = stub.Chat(_grpc_image_chat(png_bytes(image)))
+        assert reply.finish_reason == "stop" and reply.usage.prompt_tokens > IMAGE_TOKENS
+        (item,) = vlm_stack.engine.requests[-1].mm_inputs
+        assert item.length == IMAGE_TOKENS and item.content_hash == image_hash(image)
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Chat(_grpc_image_chat(b"not an image"))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(vlm_stack.engine.requests) == 1  # the bad one queued nothing
+        chunks = list(stub.ChatStream(_grpc_image_chat(png_bytes(image))))
+        assert chunks[-1].finish_reason == "stop"

@@ -6,6 +6,10 @@ a repeated image request hits the prefix cache past the image, a different image
 from __future__ import annotations
 
 import base64
+import json
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ from tests.multimodal.tiny_vlm import (
     png_bytes,
     sample_image,
 )
-from tests.stack.harness import Stack, start_stack
+from tests.stack.harness import REPO, Stack, start_stack
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -154,3 +158,34 @@ def test_prefix_cache_keys_on_the_image(stack: Stack, model_dir: Path) -> None:
     assert cached_again > image_end  # the same image + text: cached beyond the image
     _, cached_other = ask(12)
     assert cached_other <= image_start  # a different image: nothing from the image on
+
+
+@pytest.mark.skipif(
+    shutil.which("node") is None or shutil.which("npm") is None, reason="needs node"
+)
+def test_node_client_sends_an_image(stack: Stack, tmp_path: Path) -> None:
+    client_dir = REPO / "examples" / "clients" / "node"
+    if not (client_dir / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--no-package-lock"],
+            cwd=client_dir, check=True, timeout=300,
+        )  # fmt: skip
+    image = tmp_path / "picture.png"
+    image.write_bytes(png_bytes(sample_image(8)))
+    prompt = "Describe the picture."
+    done = subprocess.run(
+        ["node", "client.js", "--gateway", stack.gateway_grpc_address, "--scheduler",
+         stack.scheduler_address, "--prompt", prompt, "--image", str(image),
+         "--max-tokens", str(MAX_TOKENS)],
+        cwd=client_dir, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "TESSERA_INTERNAL_TOKEN": stack.internal_token},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.strip().splitlines()[-1])["answer"]
+    same = _client(stack).chat.completions.create(
+        model=_client(stack).models.list().data[0].id,
+        messages=[{"role": "user", "content": [text(prompt), part(8)]}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
+    assert answer == same.choices[0].message.content
