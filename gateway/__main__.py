@@ -77,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_image_pixels=args.max_image_pixels,
         allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains),
         media_fetch_timeout_s=args.media_fetch_timeout,
+        image_transport=args.image_transport,
     )
 
 

@@ -28,7 +28,7 @@ from gateway.multimodal import (
 from gateway.protocol import ChatMessage
 from gateway.tokenizer import Tokenizer
 from services.config import GatewayConfig
-from services.tensor_handles import host_id
+from services.tensor_handles import ExportMode, host_id
 
 
 @dataclass
@@ -39,6 +39,7 @@ class ImageService:
     limits: ImageLimits
     allowed_domains: tuple[str, ...] = ()  # empty: no remote fetching
     fetch_timeout_s: float = 10.0
+    transport: str = "auto"  # "auto", "shm" or "inline" (GatewayConfig.image_transport)
 
     @classmethod
     def load(cls, config: GatewayConfig, model_dir: Path) -> ImageService | None:
@@ -49,7 +50,13 @@ class ImageService:
         limits = ImageLimits(
             config.max_image_bytes, config.max_image_pixels, config.limit_images_per_prompt
         )
-        return cls(processor, limits, config.allowed_media_domains, config.media_fetch_timeout_s)
+        return cls(
+            processor,
+            limits,
+            config.allowed_media_domains,
+            config.media_fetch_timeout_s,
+            config.image_transport,
+        )
 
     async def prepare_chat(
         self,
@@ -67,8 +74,13 @@ class ImageService:
             )
         images = [await self._load(url, tokenizer) for url in urls]
         text = await tokenizer.run(tokenizer.render_chat, _with_image_parts(messages, turns))
-        mode = "shm" if worker_host_id and worker_host_id == host_id() else "inline"
+        mode = self._mode(worker_host_id)
         return await tokenizer.run(self.processor.prepare, text, images, mode, False)
+
+    def _mode(self, worker_host_id: str) -> ExportMode:
+        if self.transport in ("shm", "inline"):
+            return "shm" if self.transport == "shm" else "inline"
+        return "shm" if worker_host_id and worker_host_id == host_id() else "inline"
 
     async def _load(self, url: str, tokenizer: Tokenizer) -> Image.Image:
         scheme = urllib.parse.urlsplit(url).scheme.lower()

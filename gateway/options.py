@@ -102,6 +102,12 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--media-fetch-timeout", type=float, default=10.0, help="seconds per remote image"
     )
+    p.add_argument(
+        "--image-transport",
+        choices=["auto", "shm", "inline"],
+        default="auto",
+        help="pixels to the worker: shm when it shares this host (auto), or always shm/inline",
+    )
 
 
 def media_flags(args: argparse.Namespace) -> list[str]:
@@ -111,6 +117,7 @@ def media_flags(args: argparse.Namespace) -> list[str]:
         "--max-image-bytes", str(args.max_image_bytes),
         "--max-image-pixels", str(args.max_image_pixels),
         "--media-fetch-timeout", str(args.media_fetch_timeout),
+        "--image-transport", args.image_transport,
     ]  # fmt: skip
     if args.allowed_media_domains:
         flags += ["--allowed-media-domains", *args.allowed_media_domains]

@@ -202,6 +202,9 @@ class GatewayConfig:
     allowed_media_domains: tuple[str, ...] = ()
     # Seconds one remote image fetch may take.
     media_fetch_timeout_s: float = 10.0
+    # How pixels reach the worker: "auto" (shm when the worker reports this host, else
+    # inline bytes), or always "shm" / "inline" (benchmarks, unusual deployments).
+    image_transport: Literal["auto", "shm", "inline"] = "auto"
 
     def __post_init__(self) -> None:
         _require(":" in self.scheduler_address, "scheduler_address must be host:port")
@@ -214,6 +217,7 @@ class GatewayConfig:
         _require(self.limit_images_per_prompt >= 1, "limit_images_per_prompt must be >= 1")
         _require(min(self.max_image_bytes, self.max_image_pixels) >= 1, "image caps must be >= 1")
         _require(self.media_fetch_timeout_s > 0, "media_fetch_timeout_s must be > 0")
+        _require(self.image_transport in ("auto", "shm", "inline"), "unknown image_transport")
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ BENCHMARKS = {
     "serve": "serve_bench",
     "decode": "decode_bench",
     "scheduler": "scheduler_bench",
+    "multimodal": "multimodal_bench",
 }
 
 

@@ -191,6 +191,11 @@ def test_remote_urls_off_by_default(default_model_dir: Path, tmp_path: Path) -> 
     assert service is not None and service.allowed_domains == ()
     with pytest.raises(InvalidRequest, match="remote image URLs are off"):
         asyncio.run(service._fetch("http://127.0.0.1:1/cat.png"))
+    assert service._mode(host_id()) == "shm" and service._mode("elsewhere/boot") == "inline"
+    inline = ImageService.load(
+        GatewayConfig(model=str(model_dir), image_transport="inline"), model_dir
+    )
+    assert inline is not None and inline._mode(host_id()) == "inline"
 
 
 def _grpc_image_chat(data: bytes) -> Any:

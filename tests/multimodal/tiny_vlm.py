@@ -35,8 +35,11 @@ def _tokenizer(default_model_dir: Path) -> Any:
     return tok
 
 
-def build_tiny_llava(out_dir: Path, default_model_dir: Path, seed: int = 0) -> Path:
-    """A random LlavaForConditionalGeneration (tiny CLIP + tiny Llama) + its processor."""
+def build_tiny_llava(
+    out_dir: Path, default_model_dir: Path, seed: int = 0, image_size: int = 32, patch: int = 8
+) -> Path:
+    """A random LlavaForConditionalGeneration (tiny CLIP + tiny Llama) + its processor;
+    (image_size / patch) ** 2 image tokens per image."""
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -53,8 +56,8 @@ def build_tiny_llava(out_dir: Path, default_model_dir: Path, seed: int = 0) -> P
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
+        image_size=image_size,
+        patch_size=patch,
         projection_dim=32,
     )
     text = LlamaConfig(
@@ -64,7 +67,7 @@ def build_tiny_llava(out_dir: Path, default_model_dir: Path, seed: int = 0) -> P
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,
         tie_word_embeddings=False,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
@@ -85,12 +88,12 @@ def build_tiny_llava(out_dir: Path, default_model_dir: Path, seed: int = 0) -> P
             p.normal_(0, 0.2) if p.dim() > 1 else None
     model.save_pretrained(out_dir)
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tok,
-        patch_size=8,
+        patch_size=patch,
         vision_feature_select_strategy="default",
         chat_template=CHAT_TEMPLATE,
         num_additional_image_tokens=1,
