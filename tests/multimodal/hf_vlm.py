@@ -43,3 +43,18 @@ def hf_vlm_greedy(
             pad_token_id=0,
         )
     return list(out[0, inputs["input_ids"].shape[1] :].tolist())
+
+
+def hf_chat_prompt(model_dir: Path, chat: list[dict[str, Any]]) -> str:
+    """The chat rendered by the model's own processor, image_url parts as {"type": "image"}."""
+    turns = [
+        {
+            **m,
+            "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]],
+        }
+        if isinstance(m["content"], list)
+        else m
+        for m in chat
+    ]
+    processor = _hf(model_dir)[1]
+    return str(processor.apply_chat_template(turns, add_generation_prompt=True))

@@ -17,13 +17,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.multimodal.hf_vlm import hf_vlm_greedy
-from tests.multimodal.tiny_vlm import (
-    build_tiny_idefics3,
-    build_tiny_llava,
-    png_bytes,
-    sample_image,
-)
+from tests.multimodal.hf_vlm import hf_chat_prompt, hf_vlm_greedy
+from tests.multimodal.tiny_vlm import png_bytes, sample_image
 from tests.stack.harness import REPO, Stack, start_stack
 
 pytestmark = pytest.mark.slow
@@ -56,19 +51,6 @@ CHATS: list[tuple[list[dict[str, Any]], list[int]]] = [
 ]
 
 
-BUILDERS = {"llava": build_tiny_llava, "idefics3": build_tiny_idefics3}
-
-
-@pytest.fixture(scope="module", params=list(BUILDERS))
-def model_dir(
-    request: pytest.FixtureRequest,
-    tmp_path_factory: pytest.TempPathFactory,
-    default_model_dir: Path,
-) -> Path:
-    build = BUILDERS[request.param]
-    return build(tmp_path_factory.mktemp(request.param), default_model_dir)
-
-
 @pytest.fixture(scope="module")
 def stack(model_dir: Path) -> Iterator[Stack]:
     stack = start_stack(
@@ -80,25 +62,6 @@ def stack(model_dir: Path) -> Iterator[Stack]:
 
 def _client(stack: Stack) -> Any:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
-
-
-def _hf_prompt(model_dir: Path, messages: list[dict[str, Any]]) -> str:
-    from transformers import AutoProcessor
-
-    turns = [
-        {
-            **m,
-            "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]],
-        }
-        if isinstance(m["content"], list)
-        else m
-        for m in messages
-    ]
-    return str(
-        AutoProcessor.from_pretrained(model_dir).apply_chat_template(
-            turns, add_generation_prompt=True
-        )
-    )
 
 
 def _ask(stack: Stack, messages: list[dict[str, Any]], stream: bool = False) -> Any:
@@ -119,7 +82,7 @@ def test_chat_equals_hf_generate(stack: Stack, model_dir: Path, index: int) -> N
     messages, seeds = CHATS[index]
     expected_ids = hf_vlm_greedy(
         model_dir,
-        _hf_prompt(model_dir, messages),
+        hf_chat_prompt(model_dir, messages),
         [sample_image(s) for s in seeds],
         MAX_TOKENS,
         add_special_tokens=False,
@@ -138,7 +101,7 @@ def _image_span(model_dir: Path, messages: list[dict[str, Any]], seed: int) -> t
 
     processor = AutoProcessor.from_pretrained(model_dir)
     ids = processor(
-        text=[_hf_prompt(model_dir, messages)],
+        text=[hf_chat_prompt(model_dir, messages)],
         images=[sample_image(seed)],
         add_special_tokens=False,
     )["input_ids"][0]

@@ -35,6 +35,24 @@ def _tokenizer(default_model_dir: Path) -> Any:
     return tok
 
 
+def _text_config(tok: Any) -> Any:
+    """The tiny Llama language model of both VLMs."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+
+
 def build_tiny_llava(
     out_dir: Path, default_model_dir: Path, seed: int = 0, image_size: int = 32, patch: int = 8
 ) -> Path:
@@ -43,7 +61,6 @@ def build_tiny_llava(
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -60,18 +77,7 @@ def build_tiny_llava(
         patch_size=patch,
         projection_dim=32,
     )
-    text = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
+    text = _text_config(tok)
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,
@@ -123,7 +129,6 @@ def build_tiny_idefics3(out_dir: Path, default_model_dir: Path, seed: int = 0) -
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessor,
         Idefics3Processor,
-        LlamaConfig,
     )
 
     tok = _tokenizer(default_model_dir)
@@ -137,17 +142,7 @@ def build_tiny_idefics3(out_dir: Path, default_model_dir: Path, seed: int = 0) -
         image_seq_len=4,  # (32 / 8) ** 2 patches / scale_factor ** 2
         chat_template=CHAT_TEMPLATE,
     )
-    text = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-    )
+    text = _text_config(tok)
     vision = {
         "hidden_size": 32,
         "intermediate_size": 64,
