@@ -12,7 +12,7 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from PIL import Image
@@ -28,7 +28,9 @@ from gateway.multimodal import (
 from gateway.protocol import ChatMessage
 from gateway.tokenizer import Tokenizer
 from services.config import GatewayConfig
-from services.tensor_handles import ExportMode, host_id
+
+if TYPE_CHECKING:
+    from services.tensor_handles import ExportMode
 
 
 @dataclass
@@ -78,6 +80,8 @@ class ImageService:
         return await tokenizer.run(self.processor.prepare, text, images, mode, False)
 
     def _mode(self, worker_host_id: str) -> ExportMode:
+        from services.tensor_handles import host_id
+
         if self.transport in ("shm", "inline"):
             return "shm" if self.transport == "shm" else "inline"
         return "shm" if worker_host_id and worker_host_id == host_id() else "inline"

@@ -21,15 +21,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from gateway.errors import InvalidRequest
-from services.tensor_handles import ExportedTensor, ExportMode, export_tensor
 from services.types import MultiModalInput
+
+if TYPE_CHECKING:  # torch comes in with the first image, so text-only gateways never load it
+    import torch
+
+    from services.tensor_handles import ExportedTensor, ExportMode
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
@@ -145,6 +148,8 @@ class MultiModalProcessor:
             return_tensors="pt",
             add_special_tokens=add_special_tokens,
         )
+        from services.tensor_handles import export_tensor
+
         ids: list[int] = out["input_ids"][0].tolist()
         patches = self._patches(images)
         ranges = self._ranges(ids, patches)
@@ -185,6 +190,8 @@ def _per_image(out: Any, patches: list[int]) -> list[torch.Tensor]:
     """The processor's pixel values of one prompt split per image: LLaVA [images, 3, H, W]
     -> [3, H, W]; Idefics3 [1, tiles, 3, H, W] (+ pixel_attention_mask [1, tiles, H, W])
     -> [image's tiles, 4, H, W], the mask as a fourth channel."""
+    import torch
+
     pixels: torch.Tensor = out["pixel_values"]
     if pixels.dim() == 4 and pixels.shape[0] == len(patches):
         return list(pixels)

@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.admission import ByteBudget
 from gateway.engine_client import EngineClient
@@ -24,14 +25,16 @@ from gateway.errors import (
     ServiceUnavailable,
     TooManyRequests,
 )
-from gateway.media import ImageService
 from gateway.metrics import GatewayMetrics
-from gateway.multimodal import PreparedImages
 from gateway.output import ChoiceDelta, OutputProcessor
 from gateway.protocol import TextOptions
 from gateway.tokenizer import Tokenizer
 from services.step_types import ServerInfo
 from services.types import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from gateway.media import ImageService
+    from gateway.multimodal import PreparedImages
 
 
 @dataclass(frozen=True)

@@ -230,3 +230,13 @@ def test_grpc_chat_takes_image_parts(vlm_stack: Stack) -> None:
         assert len(vlm_stack.engine.requests) == 1  # the bad one queued nothing
         chunks = list(stub.ChatStream(_grpc_image_chat(png_bytes(image))))
         assert chunks[-1].finish_reason == "stop"
+
+
+def test_text_only_gateway_does_not_import_torch() -> None:
+    """torch comes in with the first image: a text-only gateway stays light."""
+    import subprocess
+    import sys
+
+    code = "import sys, gateway.server, gateway.__main__; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
