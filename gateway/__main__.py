@@ -7,6 +7,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 
+from gateway.options import add_media_args
 from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, ROUTINGS, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
@@ -63,6 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds streams may finish on SIGTERM"
     )
+    add_media_args(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_args(p)  # the gateway's channel to the scheduler
     return p.parse_args(argv)
@@ -84,6 +86,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=parse_bytes(args.max_body_bytes),
         max_inflight_bytes=parse_bytes(args.max_inflight_bytes),
         drain_timeout_s=args.drain_timeout,
+        limit_images_per_prompt=args.limit_images_per_prompt,
+        max_image_bytes=parse_bytes(args.max_image_bytes),
+        max_image_pixels=args.max_image_pixels,
+        allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains),
+        media_fetch_timeout_s=args.media_fetch_timeout,
+        image_transport=args.image_transport,
     )
 
 

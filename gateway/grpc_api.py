@@ -8,6 +8,7 @@ that cancels its call cancels the engine request.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 from gateway import responses as rs
 from gateway.admission import MessageBudgetInterceptor
 from gateway.errors import ApiError, InvalidRequest
+from gateway.media import prepare_chat_images
 from gateway.options import TextOptions
-from gateway.protocol import ROLES, GrpcOptions, parse
+from gateway.protocol import ROLES, ChatMessage, GrpcOptions, parse
 from gateway.serving import GenerateJob, Serving
 from services.config import SecurityConfig
 from services.grpc_utils import GrpcServer, Registration
@@ -52,7 +54,34 @@ def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:
             raise InvalidRequest(
                 f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages"
             )
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [{"role": m.role, "content": _text(m)} for m in messages]
+
+
+def _text(message: pb.ChatMessage) -> str:
+    if not message.parts:
+        return str(message.content)
+    return "".join(p.text for p in message.parts if p.WhichOneof("part") == "text")
+
+
+def image_messages(messages: Sequence[pb.ChatMessage]) -> list[ChatMessage] | None:
+    """The turns as REST chat messages, images as data: URLs, so images take the REST path;
+    None when no turn holds an image."""
+    if not any(p.WhichOneof("part") == "image" for m in messages for p in m.parts):
+        return None
+    return [
+        ChatMessage.model_validate(
+            {"role": m.role, "content": [_part(p) for p in m.parts] if m.parts else m.content}
+        )
+        for m in messages
+    ]
+
+
+def _part(part: pb.ContentPart) -> dict[str, Any]:
+    if part.WhichOneof("part") != "image":
+        return {"type": "text", "text": part.text}
+    mime = part.image.mime_type or "image/png"
+    url = f"data:{mime};base64,{base64.b64encode(part.image.data).decode()}"
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
@@ -117,13 +146,25 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def _chat_job(self, request: pb.ChatRequest) -> tuple[GenerateJob, str]:
         card = await self.serving.check_model(request.model)
         options = text_options(request.params, request.priority)
+        job = GenerateJob(rs.new_id("chatcmpl"), [], options)
+        turns = chat_messages(request.messages)
+        with_images = image_messages(request.messages)
         try:
-            prompt = await self.serving.tokenizer.encode_chat_async(chat_messages(request.messages))
+            if with_images is not None:
+                tok = self.serving.tokenizer
+                job.images = await prepare_chat_images(
+                    self.serving.images, card.name, with_images, turns, tok, card.host_id
+                )
+            job.prompts.append(
+                job.images.token_ids
+                if job.images
+                else await self.serving.tokenizer.encode_chat_async(turns)
+            )
         except ApiError:
             raise
         except Exception as exc:
             raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
-        return GenerateJob(rs.new_id("chatcmpl"), [prompt], options), card.name
+        return job, card.name
 
     async def _unary(self, make_job: Any, given_id: str, context: Any) -> pb.GenerateResponse:
         job, model = await _checked(make_job, context)
@@ -133,6 +174,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 async for delta in self.serving.generate(job):
                     collector.add(delta)
         except ApiError as exc:
+            job.release()  # admission refused: the stream never ran
             await context.abort(exc.grpc_code, exc.message)
         choice = collector.ordered()[0]
         return pb.GenerateResponse(
@@ -159,6 +201,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                             usage=usage,
                         )
         except ApiError as exc:
+            job.release()  # admission refused: the stream never ran
             await context.abort(exc.grpc_code, exc.message)
 
 

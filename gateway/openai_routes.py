@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -23,6 +24,7 @@ from gateway import tools
 from gateway.chunks import ChatChunks, ChunkBuilder, CompletionChunks
 from gateway.errors import ApiError, InvalidRequest, internal_error
 from gateway.http_io import ClientDisconnected, read_json, until_disconnect
+from gateway.media import prepare_chat_images
 from gateway.output import ChoiceDelta
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.serving import GenerateJob, Serving
@@ -42,15 +44,23 @@ class OpenAIRoutes:
         options = tools.chat_options(req)
         plan = tools.plan_for(req)
         card = await self.serving.check_model(req.model)
+        job = GenerateJob(rs.new_id("chatcmpl"), [], options)
         if req.has_images:
-            raise InvalidRequest(
-                f"'{card.name}' is a text-only model; image_url content parts are not supported",
-                "messages",
+            job.images = await prepare_chat_images(
+                self.serving.images,
+                card.name,
+                req.messages,
+                self._chat_turns(req),
+                self.serving.tokenizer,
+                card.host_id,
             )
-        prompt = await self._encode_chat(req)
-        job = GenerateJob(rs.new_id("chatcmpl"), [prompt], options)
+        job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
         collector = rs.Collector(job)
-        first, stream = await self._start(request, job)
+        try:
+            first, stream = await self._start(request, job)
+        except BaseException:
+            job.release()  # the stream never ran: free the images here
+            raise
         with_logprobs = options.logprobs is not None
         tok = self.serving.tokenizer
         if not req.stream:
@@ -88,7 +98,7 @@ class OpenAIRoutes:
         tok = self.serving.tokenizer
         offered = req.tools if req.effective_tool_choice != "none" else None
         native = tools.template_takes_tools(tok.hf)
-        turns = tools.chat_turns(req.messages, offered, native)
+        turns = self._chat_turns(req)
         try:
             if not (native and offered):
                 return await tok.encode_chat_async(turns)
@@ -102,6 +112,11 @@ class OpenAIRoutes:
             return await tok.encode_async(str(text), False)
         except Exception as exc:  # jinja errors from the template (e.g. unsupported roles)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
+
+    def _chat_turns(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        offered = req.tools if req.effective_tool_choice != "none" else None
+        native = tools.template_takes_tools(self.serving.tokenizer.hf)
+        return tools.chat_turns(req.messages, offered, native)
 
     async def _echo_texts(self, req: CompletionRequest, job: GenerateJob) -> dict[int, str]:
         texts = {}

@@ -7,6 +7,7 @@ knows (vocabulary, context length) and builds the engine's SamplingParams.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from gateway.errors import InvalidRequest
@@ -80,3 +81,44 @@ class TextOptions:
                     f"'{name}' holds token id {bad[0]}, outside the vocabulary (size {vocab_size})",
                     name,
                 )
+
+
+def add_media_args(p: argparse.ArgumentParser) -> None:
+    """Image options of the gateway (vision-language models); `tessera serve` takes them too
+    and passes them on with `media_flags`."""
+    p.add_argument(
+        "--limit-images-per-prompt", type=int, default=8, help="images one prompt may carry"
+    )
+    p.add_argument("--max-image-bytes", default="20MiB", help="largest encoded image")
+    p.add_argument(
+        "--max-image-pixels", type=int, default=4096 * 4096, help="largest width * height"
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        help="hosts http(s) image URLs may come from (none: remote URLs refused)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout", type=float, default=10.0, help="seconds per remote image"
+    )
+    p.add_argument(
+        "--image-transport",
+        choices=["auto", "shm", "inline"],
+        default="auto",
+        help="pixels to the worker: shm when it shares this host (auto), or always shm/inline",
+    )
+
+
+def media_flags(args: argparse.Namespace) -> list[str]:
+    """The `add_media_args` options of `args` as gateway command-line flags."""
+    flags = [
+        "--limit-images-per-prompt", str(args.limit_images_per_prompt),
+        "--max-image-bytes", str(args.max_image_bytes),
+        "--max-image-pixels", str(args.max_image_pixels),
+        "--media-fetch-timeout", str(args.media_fetch_timeout),
+        "--image-transport", args.image_transport,
+    ]  # fmt: skip
+    if args.allowed_media_domains:
+        flags += ["--allowed-media-domains", *args.allowed_media_domains]
+    return flags

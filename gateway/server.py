@@ -17,12 +17,14 @@ import uvicorn
 from gateway.app import build_app
 from gateway.errors import ApiError
 from gateway.grpc_api import build_grpc_server
+from gateway.media import ImageService
 from gateway.metrics import GatewayMetrics
 from gateway.router import EngineRouter
 from gateway.routing import RoutingPolicy
 from gateway.serving import Serving
 from gateway.tokenizer import Tokenizer
 from services.config import GatewayConfig
+from services.default_model import resolve_model
 from services.grpc_utils import GrpcServer
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class GatewayServer:
             config.max_queued_requests,
             config.max_inflight_bytes,
         )
+        self.serving.images = ImageService.load(config, resolve_model(config.model))
         self.app = build_app(config, self.serving)
         self.grpc: GrpcServer | None = None
         self.http: _DrainingUvicorn | None = None

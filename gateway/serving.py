@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.admission import ByteBudget
 from gateway.errors import (
@@ -31,6 +32,10 @@ from gateway.tokenizer import Tokenizer
 from services.step_types import ServerInfo
 from services.types import EngineCoreRequest
 
+if TYPE_CHECKING:
+    from gateway.media import ImageService
+    from gateway.multimodal import PreparedImages
+
 
 @dataclass(frozen=True)
 class ModelCard:
@@ -40,6 +45,7 @@ class ModelCard:
     max_model_len: int
     vocab_size: int
     created: int
+    host_id: str = ""  # the worker's host (services.tensor_handles.host_id): shm handles
 
 
 @dataclass
@@ -51,6 +57,12 @@ class GenerateJob:
     options: TextOptions
     prompt_logprobs: bool = False  # echo with logprobs: ask for prompt logprobs too
     arrival_time: float = field(default_factory=time.time)
+    images: PreparedImages | None = None  # the prompt's image handles, owned by the job
+
+    def release(self) -> None:
+        """Free the job's image memory (unlink shm segments); once the request ended."""
+        if self.images is not None:
+            self.images.close()
 
     def choices(self) -> Iterator[tuple[int, list[int]]]:
         """(choice index, prompt ids): prompt p, sample j is choice p * n + j."""
@@ -82,6 +94,7 @@ class Serving:
         self.in_flight = 0
         self.byte_budget = ByteBudget(max_inflight_bytes)  # request bytes held, REST and gRPC
         self.draining = False
+        self.images: ImageService | None = None  # set for a vision-language model
         self._card: ModelCard | None = None
 
     # -- model and admission ---------------------------------------------------------------
@@ -92,7 +105,7 @@ class Serving:
             info: ServerInfo = await self.engine.server_info()
             name = self.served_model_name or info.model_name or "default"
             vocab = info.vocab_size or self.tokenizer.vocab_size
-            self._card = ModelCard(name, info.max_model_len, vocab, int(time.time()))
+            self._card = ModelCard(name, info.max_model_len, vocab, int(time.time()), info.host_id)
             self.tokenizer.limit_tokens(info.max_model_len)
         return self._card
 
@@ -146,7 +159,15 @@ class Serving:
     # -- generation ----------------------------------------------------------------------
 
     async def generate(self, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
-        """Every choice's deltas, interleaved; each choice ends with a finish_reason."""
+        """Every choice's deltas, interleaved; each choice ends with a finish_reason. The
+        job's images are released when this ends, however it ends."""
+        try:
+            async for delta in self._generate(job):
+                yield delta
+        finally:
+            job.release()
+
+    async def _generate(self, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
         card = await self.model_card()
         requests = [self._engine_request(job, i, prompt, card) for i, prompt in job.choices()]
         queue: asyncio.Queue[object] = asyncio.Queue()
@@ -179,6 +200,7 @@ class Serving:
             sampling_params=params,
             arrival_time=job.arrival_time,
             priority=job.options.priority,
+            mm_inputs=job.images.mm_inputs if job.images is not None else [],
         )
         return index, request
 

@@ -47,6 +47,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="cap on one prompt's chunk per step (0: only the budget caps it)",
     )
     p.add_argument(
+        "--max-num-encoder-tokens",
+        type=int,
+        default=0,
+        help="image placeholder tokens encoded per step (0: the token budget)",
+    )
+    p.add_argument(
         "--policy", choices=["fcfs", "priority"], default="fcfs", help="waiting-queue order"
     )
     p.add_argument(
@@ -93,6 +99,7 @@ def configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:
         enable_chunked_prefill=not args.no_chunked_prefill,
         policy=args.policy,
         async_scheduling=not args.no_async_scheduling,
+        max_num_encoder_tokens=args.max_num_encoder_tokens,
     )
     cache_config = CacheConfig(
         enable_prefix_caching=not args.no_prefix_caching, num_blocks_override=args.num_blocks

@@ -266,6 +266,7 @@ class EngineCore:
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             enable_prefix_caching=self.cache_config.enable_prefix_caching,
             num_workers=len(self.workers),
+            host_id=info.host_id,
         )
 
     def stats(self) -> SchedulerStats:

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from scheduler_service.encoder_budget import fit_encoder_budget
 from scheduler_service.kv_cache_manager import KVCacheManager
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_queue import make_queue
@@ -97,7 +98,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step: running requests first, then admissions."""
-        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(self.config.max_num_batched_tokens, self.config.encoder_budget)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -127,6 +128,9 @@ class Scheduler:
                 - request.num_inflight_tokens
             )
             num_new = 1 if num_remaining == 1 else self._chunk_size(num_remaining, plan)  # decode
+            if request.mm_inputs and num_new > 1:
+                start = request.num_computed_tokens + request.num_inflight_tokens
+                num_new = self._fit_encoder(request, start, num_new, plan)
             if num_new == 0:
                 continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
@@ -171,6 +175,8 @@ class Scheduler:
         """Move the head of the queue into the running set if its first chunk fits."""
         hits, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_new = self._chunk_size(request.num_tokens - num_hit_tokens, plan)
+        if request.mm_inputs:
+            num_new = self._fit_encoder(request, num_hit_tokens, num_new, plan)
         if num_new == 0 or self.kv.allocate_slots(request, num_new, hits) is None:
             return False
         self.waiting.pop()
@@ -197,6 +203,14 @@ class Scheduler:
         if num_remaining > plan.budget and not self.config.enable_chunked_prefill:
             return 0
         return min(num_remaining, plan.budget)
+
+    def _fit_encoder(self, request: Request, start: int, num_new: int, plan: StepPlan) -> int:
+        """`num_new` cut before the first image the step's encoder budget cannot take."""
+        total = self.config.encoder_budget
+        num_new, used = fit_encoder_budget(request, start, num_new, plan.encoder_budget, total)
+        if num_new > 0:
+            plan.encoder_budget -= used
+        return num_new
 
     # ---- update -------------------------------------------------------------
 

@@ -13,6 +13,7 @@ class StepPlan:
     """Requests scheduled so far this step and the token budget left."""
 
     budget: int
+    encoder_budget: int = 0  # multimodal placeholder tokens the step may still encode
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new: list[Request] = field(default_factory=list)  # sent in full
     resumed: set[str] = field(default_factory=set)  # of `new`, back from preemption

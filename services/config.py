@@ -122,9 +122,17 @@ class SchedulerConfig:
     # Schedule step n+1 while the workers run step n (vLLM's async scheduling): the worker
     # never waits for the scheduler; off runs schedule -> execute -> update in turn.
     async_scheduling: bool = True
+    # Multimodal placeholder tokens (image embeddings) the workers may encode in one step;
+    # 0 means max_num_batched_tokens. Bounds the vision-encoder time of a step.
+    max_num_encoder_tokens: int = 0
+
+    @property
+    def encoder_budget(self) -> int:
+        return self.max_num_encoder_tokens or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_num_encoder_tokens >= 0, "max_num_encoder_tokens must be >= 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(
             self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
@@ -211,6 +219,18 @@ class GatewayConfig:
     # How requests spread over replicas: "affinity" (prefix hash, bounded by load) or
     # "round-robin".
     routing: str = "affinity"
+    # Images one prompt may carry (vision-language models); more get 400.
+    limit_images_per_prompt: int = 8
+    # Largest encoded image, in bytes, and largest width * height: a bound on decode cost.
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 4096 * 4096
+    # Hosts http(s) image URLs may come from (and their subdomains); empty: remote URLs off.
+    allowed_media_domains: tuple[str, ...] = ()
+    # Seconds one remote image fetch may take.
+    media_fetch_timeout_s: float = 10.0
+    # How pixels reach the worker: "auto" (shm when the worker reports this host, else
+    # inline bytes), or always "shm" / "inline" (benchmarks, unusual deployments).
+    image_transport: Literal["auto", "shm", "inline"] = "auto"
 
     @property
     def scheduler_addresses(self) -> tuple[str, ...]:
@@ -227,6 +247,10 @@ class GatewayConfig:
         _require(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         _require(self.max_inflight_bytes >= 1024, "max_inflight_bytes must be >= 1024")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+        _require(self.limit_images_per_prompt >= 1, "limit_images_per_prompt must be >= 1")
+        _require(min(self.max_image_bytes, self.max_image_pixels) >= 1, "image caps must be >= 1")
+        _require(self.media_fetch_timeout_s > 0, "media_fetch_timeout_s must be > 0")
+        _require(self.image_transport in ("auto", "shm", "inline"), "unknown image_transport")
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ class ModelInfo:
     dtype: str = ""
     device: str = ""
     instance_id: str = ""  # new on every worker start
+    host_id: str = ""  # host + shared-memory namespace (services.tensor_handles.host_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ class ServerInfo:
     max_num_batched_tokens: int = 0
     enable_prefix_caching: bool = True
     num_workers: int = 1
+    host_id: str = ""  # rank 0 worker's host_id
 
 
 @dataclass(slots=True)

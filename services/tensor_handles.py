@@ -11,7 +11,9 @@ Modes, chosen by `export_tensor(tensor, mode=...)`:
   contiguously. The producer owns the segment: it is unlinked when the ExportedTensor is
   closed (explicitly, by `with`, or when it is garbage collected / the process exits), so
   the producer keeps it open until every consumer has called `open_tensor`. `open_tensor`
-  copies the bytes out into a new CPU tensor, so the consumer holds nothing afterwards.
+  copies the bytes out into a new CPU tensor, so the consumer holds nothing afterwards;
+  `map_tensor` instead returns a MappedTensor whose tensor lies inside the mapping (no
+  copy), valid until the consumer closes it.
 - "inline": the bytes inside the message; `open_tensor` returns a new CPU tensor. For peers
   that share no memory. Nothing to release.
 
@@ -25,11 +27,13 @@ import contextlib
 import math
 import os
 import secrets
+import socket
 import sys
 import weakref
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 from unittest import mock
@@ -118,6 +122,73 @@ def open_tensor(handle: TensorHandle) -> torch.Tensor:
     return _from_bytes(bytearray(handle.inline_bytes), dtype, shape)
 
 
+class MappedTensor:
+    """A handle opened without copying: for shm, `tensor` is a view of the mapped segment
+    (`mapping` is the mapped [address, address + size)). Drop every reference to `tensor`
+    (and its views) before `close()`, which unmaps the segment; closing twice is harmless."""
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        segment: SharedMemory | None = None,
+        mapping: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.mapping = mapping
+        self._segment = segment
+
+    @property
+    def closed(self) -> bool:
+        return self.tensor is None and self._segment is None
+
+    def close(self) -> None:
+        self.tensor = None
+        if self._segment is not None:
+            self._segment.close()  # BufferError while a view of the segment is still alive
+            self._segment = None
+
+    def __enter__(self) -> MappedTensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def map_tensor(handle: TensorHandle) -> MappedTensor:
+    """Open `handle` without copying where the location allows it: a shm segment is mapped
+    and the tensor is a view inside it; CUDA IPC is zero-copy already; inline bytes are
+    turned into a tensor (the only copy, as the bytes came in the message)."""
+    if handle.shared_memory is None:
+        return MappedTensor(open_tensor(handle))
+    dtype = dtype_from_name(handle.dtype)
+    shape = _checked_shape(handle.shape)
+    loc = handle.shared_memory
+    nbytes = math.prod(shape) * _element_size(dtype)
+    if loc.nbytes != nbytes:
+        raise TensorHandleError(f"shm region has {loc.nbytes} bytes, tensor needs {nbytes}")
+    segment = _attach(loc.name)
+    try:
+        _check_region(segment, loc, nbytes)
+        whole = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [segment.size] uint8
+        mapping = (whole.data_ptr(), whole.data_ptr() + segment.size)
+        view = whole[loc.offset : loc.offset + nbytes]
+        del whole
+        tensor = view.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        del view
+    except BaseException:
+        segment.close()
+        raise
+    return MappedTensor(tensor, segment, mapping)
+
+
+def host_id() -> str:
+    """This host and shared-memory namespace: the kernel boot id and the host name (two
+    containers on one machine differ by host name, and usually by /dev/shm too)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    boot_id = boot.read_text().strip() if boot.is_file() else ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16" (the spelling TensorHandle.dtype uses)."""
     return str(dtype).removeprefix("torch.")
@@ -154,14 +225,18 @@ def _open_shm(
         raise TensorHandleError(f"shm region has {loc.nbytes} bytes, tensor needs {nbytes}")
     segment = _attach(loc.name)
     try:
-        if loc.offset < 0 or loc.offset + nbytes > segment.size:
-            raise TensorHandleError(
-                f"region [{loc.offset}, {loc.offset + nbytes}) lies outside segment "
-                f"{loc.name!r} of {segment.size} bytes"
-            )
+        _check_region(segment, loc, nbytes)
         return _copy_region(segment, loc.offset, nbytes).view(dtype).reshape(shape)
     finally:
         segment.close()
+
+
+def _check_region(segment: SharedMemory, loc: SharedMemoryLocation, nbytes: int) -> None:
+    if loc.offset < 0 or loc.offset + nbytes > segment.size:
+        raise TensorHandleError(
+            f"region [{loc.offset}, {loc.offset + nbytes}) lies outside segment "
+            f"{loc.name!r} of {segment.size} bytes"
+        )
 
 
 def _attach(name: str) -> SharedMemory:

@@ -7,6 +7,7 @@ import os
 import secrets
 import sys
 
+from gateway.options import add_media_args, media_flags
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
@@ -73,6 +74,7 @@ def _serve_parser(
     p.add_argument(
         "--start-timeout", type=float, default=300.0, help="seconds each service may take to start"
     )
+    add_media_args(p)
     p.add_argument("--log-level", default="INFO")
     add_data_parallel_args(p)
     p.add_argument(
@@ -123,7 +125,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
-        "--drain-timeout", str(args.drain_timeout), *common,
+        "--drain-timeout", str(args.drain_timeout), *media_flags(args), *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
@@ -179,6 +181,7 @@ BENCHMARKS = {
     "decode": "decode_bench",
     "scheduler": "scheduler_bench",
     "dp": "dp_bench",
+    "multimodal": "multimodal_bench",
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from gateway.multimodal import ImageLimits, MultiModalProcessor, PreparedImages, chat_images
 from gateway.tokenizer import ChatTurn, Tokenizer
 from scheduler_service.engine import EngineCore
 from services.config import (
@@ -25,7 +26,14 @@ from services.config import (
     WorkerConfig,
     parse_bytes,
 )
-from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from services.default_model import resolve_model
+from services.types import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    MultiModalInput,
+    SamplingParams,
+)
 from tessera.prompts import Prompt, parse_prompts
 
 TQDM_MIN_PROMPTS = 16  # progress bar from this many prompts on, unless told otherwise
@@ -104,6 +112,8 @@ class LLM:
         )
         self.engine = EngineCore(scheduler, cache, [self.worker])
         self.tokenizer = Tokenizer.load(model)
+        self.mm_processor = MultiModalProcessor.load(resolve_model(model))  # None: text-only
+        self.image_limits = ImageLimits()
         self._next_id = 0
 
     def generate(
@@ -119,10 +129,13 @@ class LLM:
         """
         parsed = parse_prompts(prompts, self.tokenizer.encode)
         params = _per_prompt(sampling_params, len(parsed))
-        ids, texts = [p.token_ids for p in parsed], [p.text for p in parsed]
-        for i, prompt_ids in enumerate(ids):
-            self._check(prompt_ids, params[i], i)
-        return self._run(ids, texts, params, use_tqdm)
+        texts = [p.text for p in parsed]
+        with _Images() as images:
+            for p in parsed:
+                images.add(self._with_images(p.text or "", list(p.images), True), p.token_ids)
+            for i, prompt_ids in enumerate(images.ids):
+                self._check(prompt_ids, params[i], i)
+            return self._run(images.ids, texts, params, use_tqdm, images.mm_inputs)
 
     def chat(
         self,
@@ -132,9 +145,26 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, with the model's chat template."""
         chats = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.render_chat(list(c)) for c in chats]  # type: ignore[arg-type]
-        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        return self._run(ids, list(texts), _per_prompt(sampling_params, len(ids)), use_tqdm)
+        with _Images() as images:
+            texts: list[str | None] = []
+            for chat in chats:
+                turns, pil_images = chat_images(list(chat), self.image_limits)  # type: ignore[arg-type]
+                text = self.tokenizer.render_chat(turns)
+                prepared = self._with_images(text, pil_images, False)
+                images.add(prepared, [] if prepared else self.tokenizer.encode(text, False))
+                texts.append(text)
+            params = _per_prompt(sampling_params, len(images.ids))
+            return self._run(images.ids, texts, params, use_tqdm, images.mm_inputs)
+
+    def _with_images(
+        self, text: str, images: list[Any], add_special_tokens: bool
+    ) -> PreparedImages | None:
+        """The model's processor over `text` and `images`; None when there are no images."""
+        if not images:
+            return None
+        if self.mm_processor is None:
+            raise ValueError("this model is text-only; it takes no images")
+        return self.mm_processor.prepare(text, images, "shm", add_special_tokens)
 
     def _run(
         self,
@@ -142,8 +172,12 @@ class LLM:
         texts: list[str | None],
         params: list[SamplingParams],
         use_tqdm: bool | None,
+        mm_inputs: list[list[MultiModalInput]] | None = None,
     ) -> list[RequestOutput]:
-        request_ids = [self._add(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
+        mm = mm_inputs or [[] for _ in prompt_ids]
+        request_ids = [
+            self._add(ids, p, items) for ids, p, items in zip(prompt_ids, params, mm, strict=True)
+        ]
         pending = {rid: _Pending() for rid in request_ids}
         show = use_tqdm if use_tqdm is not None else len(request_ids) >= TQDM_MIN_PROMPTS
         with tqdm(total=len(request_ids), desc="generating", disable=not show) as bar:
@@ -162,11 +196,15 @@ class LLM:
         except ValueError as exc:
             raise ValueError(f"prompt {index}: {exc}") from None
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+    def _add(
+        self, prompt_ids: list[int], params: SamplingParams, mm_inputs: list[MultiModalInput]
+    ) -> str:
         request_id = str(self._next_id)
         self._next_id += 1
         self.engine.add_request(
-            EngineCoreRequest(request_id, prompt_ids, params, arrival_time=time.time())
+            EngineCoreRequest(
+                request_id, prompt_ids, params, arrival_time=time.time(), mm_inputs=mm_inputs
+            )
         )
         return request_id
 
@@ -190,6 +228,31 @@ class LLM:
         self.engine.shutdown()
         self.worker.shutdown()
         self.tokenizer.close()
+
+
+class _Images:
+    """Token ids and mm_inputs of a batch of prompts; closes the image exports on exit."""
+
+    def __init__(self) -> None:
+        self.ids: list[list[int]] = []
+        self.mm_inputs: list[list[MultiModalInput]] = []
+        self.prepared: list[PreparedImages] = []
+
+    def add(self, prepared: PreparedImages | None, token_ids: list[int]) -> None:
+        if prepared is None:
+            self.ids.append(token_ids)
+            self.mm_inputs.append([])
+            return
+        self.prepared.append(prepared)
+        self.ids.append(prepared.token_ids)
+        self.mm_inputs.append(prepared.mm_inputs)
+
+    def __enter__(self) -> _Images:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for prepared in self.prepared:
+            prepared.close()
 
 
 def _collect(pending: _Pending, out: EngineCoreOutput) -> int:

@@ -1,7 +1,8 @@
 """The prompt forms `LLM.generate` accepts, as vLLM's offline API does.
 
 A prompt is text (`str`), token ids (`list[int]`), `{"prompt": str}` (TextPrompt) or
-`{"prompt_token_ids": list[int]}` (TokensPrompt); `generate` takes one or a list. Every
+`{"prompt_token_ids": list[int]}` (TokensPrompt); `generate` takes one or a list. A
+TextPrompt may carry `"multi_modal_data": {"image": PIL.Image | list[PIL.Image]}`. Every
 prompt is checked before anything is queued, and a bad one is named by its index.
 """
 
@@ -13,10 +14,11 @@ from numbers import Integral
 from typing import Any, TypedDict
 
 
-class TextPrompt(TypedDict):
-    """A text prompt, tokenized with the model's tokenizer."""
+class TextPrompt(TypedDict, total=False):
+    """A text prompt, tokenized with the model's tokenizer (images: a VLM's processor)."""
 
     prompt: str
+    multi_modal_data: dict[str, Any]
 
 
 class TokensPrompt(TypedDict):
@@ -36,6 +38,7 @@ class ParsedPrompt:
 
     token_ids: list[int]
     text: str | None
+    images: tuple[Any, ...] = ()  # PIL images of a multi_modal_data prompt (ids left empty)
 
 
 def as_batch(prompts: Any) -> list[Any]:
@@ -60,6 +63,8 @@ def parse_prompts(prompts: Any, encode: Callable[[str], list[int]]) -> list[Pars
 
 
 def _parse(prompt: Any, index: int, encode: Callable[[str], list[int]]) -> ParsedPrompt:
+    if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+        return _multimodal(prompt, index)
     if isinstance(prompt, Mapping):
         prompt = _unwrap(prompt, index)
     if isinstance(prompt, str):
@@ -69,6 +74,18 @@ def _parse(prompt: Any, index: int, encode: Callable[[str], list[int]]) -> Parse
     if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
         return ParsedPrompt(_token_ids(prompt, index), None)
     raise TypeError(f"prompt {index} must be {_FORMS}, not {_kind(prompt)}")
+
+
+def _multimodal(prompt: Mapping[Any, Any], index: int) -> ParsedPrompt:
+    """{"prompt": str, "multi_modal_data": {"image": image or [images]}}: text and images."""
+    text, data = prompt.get("prompt"), prompt["multi_modal_data"]
+    if set(prompt) != {"prompt", "multi_modal_data"} or not isinstance(text, str) or not text:
+        raise ValueError(f"prompt {index}: multi_modal_data needs a non-empty 'prompt' str")
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        raise ValueError(f"prompt {index}: multi_modal_data must be {{'image': ...}}")
+    images = data["image"]
+    images = tuple(images) if isinstance(images, list | tuple) else (images,)
+    return ParsedPrompt([], text, images)
 
 
 def _unwrap(prompt: Mapping[Any, Any], index: int) -> Any:

@@ -55,7 +55,10 @@ def load_model(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensor = _read_share(f, name, model.shard, model.config.head_dim)
+                if tp.size > 1:  # (vision towers, never split, only load with tp.size 1)
+                    tensor = _read_share(f, name, model.shard, model.config.head_dim)
+                else:
+                    tensor = f.get_tensor(name)
                 loaded |= _load_tensor(model, model.config, name, tensor, model.shard)
     _check_complete(model, loaded)
     _log_weight_bytes(model, tp)
@@ -108,14 +111,17 @@ def _load_tensor(
     shard: LayerShard,
 ) -> set[str]:
     """Copy one checkpoint tensor into its parameter; returns the parameter names it filled."""
-    name = name.removeprefix("model.")
-    if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+    rename = getattr(model, "checkpoint_name", None)  # VLMs map their HF layouts
+    name = rename(name) if rename is not None else name.removeprefix("model.")
+    if not name or "rotary_emb" in name:
+        return set()
+    if name.endswith("lm_head.weight") and cfg.tie_word_embeddings:
         return set()
     params = dict(model.named_parameters())
     parts = name.split(".")
-    if len(parts) >= 3 and parts[-2] in _FUSED:
-        fused, part = _FUSED[parts[-2]]
-        target = ".".join([*parts[:-2], fused, parts[-1]])
+    fused_target = _fused_target(parts)
+    if fused_target is not None and fused_target[0] in params:  # (HF vision towers stay unfused)
+        target, fused, part = fused_target
         rows = _fused_rows(cfg, fused, part, shard)
         params[target].data[rows[0] : rows[1]].copy_(tensor)
         return {f"{target}#{part}"}
@@ -127,6 +133,14 @@ def _load_tensor(
         )
     params[name].data.copy_(tensor)
     return {name}
+
+
+def _fused_target(parts: list[str]) -> tuple[str, str, int] | None:
+    """(fused parameter name, fused kind, part) for a q/k/v or gate/up checkpoint tensor."""
+    if len(parts) < 3 or parts[-2] not in _FUSED:
+        return None
+    fused, part = _FUSED[parts[-2]]
+    return ".".join([*parts[:-2], fused, parts[-1]]), fused, part
 
 
 def _fused_rows(cfg: ModelArchConfig, fused: str, part: int, shard: LayerShard) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.loader import load_model
 from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
+from worker_service.multimodal import MultiModalInputs
 from worker_service.parallel import TPGroup
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
@@ -68,6 +69,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(device, config.model.seed)
         self.structured = StructuredOutputs(model_dir, arch.vocab_size, arch.eos_token_ids)
+        self.mm = MultiModalInputs(self.model, self.input_batch)
         self.num_blocks = 0
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
@@ -119,6 +121,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         errors = self._apply_deltas(so)
         order, counts = self._schedule_order(so, errors)
+        order, counts = self.mm.encode(order, counts, errors)  # vision encoders, if any
         out = ModelRunnerOutput(step_id=so.step_id, request_errors=errors)
         if not order:
             return out
@@ -126,12 +129,14 @@ class ModelRunner:
         self.tp.send_step(step.input_ids, step.positions, step.meta)  # ranks 1..N-1 run it too
         t1 = time.perf_counter()
         with torch.inference_mode(), forward_context(step.meta):
-            hidden = self.model(step.input_ids, step.positions)  # [num_tokens, hidden]
+            embeds = self.mm.input_embeds(step)  # None without images in this step
+            hidden = self.model(step.input_ids, step.positions, embeds)  # [num_tokens, hidden]
             t2 = time.perf_counter()
             self._sample_into(out, step, hidden)
             out.prompt_logprobs = self._prompt_logprobs(step, hidden)
         for state, n in zip(step.states, counts, strict=True):
             state.num_computed += n
+        self.mm.advance(step.states)
         t3 = time.perf_counter()
         out.timings = WorkerTimings(*(1000 * d for d in (t1 - t0, t2 - t1, t3 - t2, t3 - t0)))
         return out
@@ -140,11 +145,13 @@ class ModelRunner:
         """Drop finished/preempted requests, add new ones, apply cached deltas."""
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.input_batch.remove(req_id)
+            self.mm.remove(req_id)
         errors: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
             try:
                 state = self.input_batch.add(new)
                 self.structured.attach(state, new.output_token_ids)
+                self.mm.add(new.request_id, new.mm_inputs, new.num_computed_tokens)
             except ValueError as exc:
                 errors[new.request_id] = str(exc)
                 self.input_batch.remove(new.request_id)

@@ -11,6 +11,7 @@ import torch
 from services.config import WorkerConfig
 from services.default_model import resolve_model, served_name
 from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, SchedulerOutput
+from services.tensor_handles import host_id
 from worker_service import kv_cache
 from worker_service.model_runner import ModelRunner
 from worker_service.parallel import TPGroup, start_group
@@ -64,6 +65,7 @@ class Worker:
             dtype=config.model.dtype,
             device=str(self.device),
             instance_id=uuid.uuid4().hex,  # new on every start: the scheduler spots a restart
+            host_id=host_id(),
         )
         log.info(
             "loaded %s (%s, %s) on %s, attention backend %s",

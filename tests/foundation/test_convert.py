@@ -142,6 +142,7 @@ CASES: list[Any] = [
         dtype="bfloat16",
         device="cpu",
         instance_id="5f0c2a",
+        host_id="h/boot",
     ),
     KVCacheSpec(
         num_layers=30,
@@ -164,6 +165,7 @@ CASES: list[Any] = [
         max_num_batched_tokens=2048,
         enable_prefix_caching=True,
         num_workers=2,
+        host_id="h/boot",
     ),
     SchedulerStats(
         num_running=3,

@@ -11,6 +11,7 @@ Abort RPC.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
     aborted: list[str] = field(default_factory=list)
     started: dict[str, float] = field(default_factory=dict)
     fail_after: int | None = None  # send an ERROR output after this many tokens
+    host_id: str = ""  # reported in ServerInfo: the gateway's host_id makes it send shm handles
 
     async def Generate(self, request: Any, context: Any) -> Any:
         req = from_proto(request, EngineCoreRequest)
@@ -139,6 +141,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
 
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
         info = ServerInfo(MODEL_NAME, MAX_MODEL_LEN, 49152, 16, 100, (EOS,), "test", "1")
+        info = dataclasses.replace(info, host_id=self.host_id)
         return to_proto(info, engine_pb2.ServerInfo)
 
     async def GetStats(self, request: Any, context: Any) -> Any:

@@ -61,8 +61,9 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
 
 def read_model_config(model_dir: Path) -> ModelArchConfig:
     """Parse `model_dir/config.json` (and generation_config.json for EOS ids)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    archs = cfg.get("architectures") or [_ARCH_BY_TYPE.get(cfg.get("model_type", ""), "")]
+    raw = json.loads((model_dir / "config.json").read_text())
+    archs = raw.get("architectures") or [_ARCH_BY_TYPE.get(raw.get("model_type", ""), "")]
+    cfg = {**raw, **raw.get("text_config", {})}  # a VLM keeps its LM's shapes in text_config
     heads = int(cfg["num_attention_heads"])
     eos = _ids(cfg.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
@@ -85,7 +86,7 @@ def read_model_config(model_dir: Path) -> ModelArchConfig:
         rope=_rope(cfg),
         attention_bias=bool(cfg.get("attention_bias", False)),
         eos_token_ids=tuple(eos),
-        raw=cfg,
+        raw=raw,
     )
 
 

@@ -135,10 +135,17 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn for layer in self.layers if isinstance(layer, DecoderLayer)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden]."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden].
+        `input_embeds` [num_tokens, hidden], when given, replaces the token embeddings."""
         cis = self.rotary.lookup(positions, self.embed_tokens.weight.dtype)
-        x, residual = self.embed_tokens(input_ids), None
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cis)
         return self.norm(x, residual)[0]

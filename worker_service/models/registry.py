@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from worker_service.models.idefics3 import Idefics3ForConditionalGeneration
 from worker_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from worker_service.models.llava import LlavaForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
 
 

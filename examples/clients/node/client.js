@@ -2,13 +2,17 @@
 // through the gateway's TextGeneration API and prints the scheduler's EngineCore info.
 //
 //   node client.js [--gateway 127.0.0.1:50052] [--scheduler 127.0.0.1:50051] [--prompt "..."]
-//                  [--api-key KEY]
+//                  [--api-key KEY] [--image PATH]
+//
+// --image sends a PNG, JPEG or WebP file with the prompt (a vision-language model must be
+// served): the user turn becomes parts, [{text}, {image: {data, mime_type}}].
 //
 // The gateway's API key goes as `authorization: Bearer KEY` metadata (--api-key, or the
 // TESSERA_API_KEY variable); the scheduler is internal and takes the internal token from
 // TESSERA_INTERNAL_TOKEN (an environment variable, so `ps` does not show it).
 "use strict";
 
+const fs = require("fs");
 const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
@@ -47,10 +51,21 @@ function bearer(token) {
   return metadata;
 }
 
-function streamChat(pkg, address, prompt, maxTokens, apiKey) {
+const MIME_TYPES = { ".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp" };
+
+function userTurn(prompt, imagePath) {
+  if (!imagePath) return { role: "user", content: prompt };
+  const image = {
+    data: fs.readFileSync(imagePath),
+    mime_type: MIME_TYPES[path.extname(imagePath).toLowerCase()] || "image/png",
+  };
+  return { role: "user", parts: [{ text: prompt }, { image }] };
+}
+
+function streamChat(pkg, address, prompt, maxTokens, apiKey, imagePath) {
   const client = new pkg.TextGeneration(address, grpc.credentials.createInsecure());
   const request = {
-    messages: [{ role: "user", content: prompt }],
+    messages: [userTurn(prompt, imagePath)],
     params: { max_tokens: maxTokens, temperature: 0 },
   };
   return new Promise((resolve, reject) => {
@@ -86,7 +101,7 @@ async function main() {
   const args = parseArgs(process.argv.slice(2));
   const pkg = loadPackage();
   const { text, finish } = await streamChat(
-    pkg, args.gateway, args.prompt, args.maxTokens, args.apiKey
+    pkg, args.gateway, args.prompt, args.maxTokens, args.apiKey, args.image
   );
   const info = await serverInfo(pkg, args.scheduler);
   console.log(JSON.stringify({ answer: text, finish_reason: finish, server_info: info }));

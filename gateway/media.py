@@ -1,0 +1,169 @@
+"""Images of a chat request in the gateway: fetch or decode each image_url part, run the
+model's processor, export the pixels as tensor handles (shm when the worker shares this
+host, inline bytes otherwise).
+
+Remote http(s) URLs are refused unless their host is in `allowed_media_domains` (or a
+subdomain of one); fetching has a timeout and a byte cap, and follows no redirects.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from PIL import Image
+
+from gateway.errors import InvalidRequest
+from gateway.multimodal import (
+    ImageLimits,
+    MultiModalProcessor,
+    PreparedImages,
+    decode_data_url,
+    decode_image,
+)
+from gateway.protocol import ChatMessage
+from gateway.tokenizer import Tokenizer
+from services.config import GatewayConfig
+
+if TYPE_CHECKING:
+    from services.tensor_handles import ExportMode
+
+
+@dataclass
+class ImageService:
+    """The served VLM's processor plus the gateway's media rules."""
+
+    processor: MultiModalProcessor
+    limits: ImageLimits
+    allowed_domains: tuple[str, ...] = ()  # empty: no remote fetching
+    fetch_timeout_s: float = 10.0
+    transport: str = "auto"  # "auto", "shm" or "inline" (GatewayConfig.image_transport)
+
+    @classmethod
+    def load(cls, config: GatewayConfig, model_dir: Path) -> ImageService | None:
+        """None for a text-only model."""
+        processor = MultiModalProcessor.load(model_dir)
+        if processor is None:
+            return None
+        limits = ImageLimits(
+            config.max_image_bytes, config.max_image_pixels, config.limit_images_per_prompt
+        )
+        return cls(
+            processor,
+            limits,
+            config.allowed_media_domains,
+            config.media_fetch_timeout_s,
+            config.image_transport,
+        )
+
+    async def prepare_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        turns: list[dict[str, Any]],
+        tokenizer: Tokenizer,
+        worker_host_id: str,
+    ) -> PreparedImages:
+        """Render `turns` (one per message) with image parts, then expand and export."""
+        urls = _image_urls(messages)
+        if len(urls) > self.limits.max_images:
+            raise InvalidRequest(
+                f"{len(urls)} images in one prompt, over the limit of {self.limits.max_images}",
+                "messages",
+            )
+        images = [await self._load(url, tokenizer) for url in urls]
+        text = await tokenizer.run(tokenizer.render_chat, _with_image_parts(messages, turns))
+        mode = self._mode(worker_host_id)
+        return await tokenizer.run(self.processor.prepare, text, images, mode, False)
+
+    def _mode(self, worker_host_id: str) -> ExportMode:
+        from services.tensor_handles import host_id
+
+        if self.transport in ("shm", "inline"):
+            return "shm" if self.transport == "shm" else "inline"
+        return "shm" if worker_host_id and worker_host_id == host_id() else "inline"
+
+    async def _load(self, url: str, tokenizer: Tokenizer) -> Image.Image:
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        if scheme == "data":
+            return await tokenizer.run(decode_data_url, url, self.limits)
+        if scheme not in ("http", "https"):
+            raise InvalidRequest("image_url must be a data: or http(s) URL", "messages")
+        data = await self._fetch(url)
+        return await tokenizer.run(decode_image, data, self.limits)
+
+    async def _fetch(self, url: str) -> bytes:
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        if not any(host == d or host.endswith("." + d) for d in self.allowed_domains):
+            raise InvalidRequest(
+                "remote image URLs are off"
+                if not self.allowed_domains
+                else f"image host {host!r} is not in --allowed-media-domains",
+                "messages",
+            )
+        try:
+            async with (
+                httpx.AsyncClient(timeout=self.fetch_timeout_s, follow_redirects=False) as client,
+                client.stream("GET", url) as response,
+            ):
+                if response.status_code != 200:
+                    raise InvalidRequest(f"fetching the image gave HTTP {response.status_code}")
+                data = bytearray()
+                async for chunk in response.aiter_bytes():
+                    data += chunk
+                    if len(data) > self.limits.max_bytes:
+                        raise InvalidRequest(f"image is over the {self.limits.max_bytes}-byte cap")
+                return bytes(data)
+        except httpx.HTTPError as exc:
+            raise InvalidRequest(f"cannot fetch the image: {type(exc).__name__}") from None
+
+
+async def prepare_chat_images(
+    service: ImageService | None,
+    model_name: str,
+    messages: Sequence[ChatMessage],
+    turns: list[dict[str, Any]],
+    tokenizer: Tokenizer,
+    worker_host_id: str,
+) -> PreparedImages:
+    """`service.prepare_chat`, or 400 when the served model takes no images."""
+    if service is None:
+        raise InvalidRequest(
+            f"'{model_name}' is a text-only model; image_url content parts are not supported",
+            "messages",
+        )
+    return await service.prepare_chat(messages, turns, tokenizer, worker_host_id)
+
+
+def _image_urls(messages: Sequence[ChatMessage]) -> list[str]:
+    return [
+        p.image_url.url
+        for m in messages
+        if isinstance(m.content, list)
+        for p in m.content
+        if p.type == "image_url" and p.image_url is not None
+    ]
+
+
+def _is_image(part: Any) -> bool:
+    return getattr(part, "type", None) == "image_url" and part.image_url is not None
+
+
+def _with_image_parts(
+    messages: Sequence[ChatMessage], turns: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Turns whose messages hold images get list content: text parts and {"type": "image"}
+    parts in their order, as HF chat templates take them."""
+    out = list(turns)
+    offset = len(turns) - len(messages)  # a Hermes tools system turn may come first
+    for i, message in enumerate(messages):
+        if message.has_images and isinstance(message.content, list):
+            parts = [
+                {"type": "image"} if _is_image(p) else {"type": "text", "text": p.text or ""}
+                for p in message.content
+            ]
+            out[offset + i] = {**turns[offset + i], "content": parts}
+    return out

@@ -1,0 +1,239 @@
+"""Image preprocessing shared by the gateway and the offline API.
+
+The model's own HF processor (AutoProcessor from the model directory) turns text with
+image placeholders plus PIL images into input ids with the placeholders expanded and
+the pixel values; each image becomes a `MultiModalInput` (placeholder offset and length,
+a content hash of the image, a TensorHandle to its pixels). Whoever exports the handles
+owns them and closes them when the request ends (`PreparedImages.close`).
+
+Images arrive as `data:` URLs (base64 PNG/JPEG/WebP) checked against byte and pixel caps
+before and while decoding; anything wrong is an InvalidRequest (400).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from PIL import Image
+
+from gateway.errors import InvalidRequest
+from services.types import MultiModalInput
+
+if TYPE_CHECKING:  # torch comes in with the first image, so text-only gateways never load it
+    import torch
+
+    from services.tensor_handles import ExportedTensor, ExportMode
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Caps on one image (why: a request must never cost unbounded memory or time)."""
+
+    max_bytes: int = 20 * 2**20  # encoded size, after base64 decoding
+    max_pixels: int = 4096 * 4096  # width * height, checked before decoding the pixels
+    max_images: int = 8  # images in one prompt (--limit-images-per-prompt)
+
+    def __post_init__(self) -> None:
+        if min(self.max_bytes, self.max_pixels, self.max_images) < 1:
+            raise ValueError("image limits must be positive")
+
+
+def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
+    """Encoded PNG/JPEG/WebP bytes -> an RGB image; InvalidRequest for anything else."""
+    if len(data) > limits.max_bytes:
+        raise InvalidRequest(f"image is {len(data)} bytes, over the {limits.max_bytes} limit")
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        width, height = image.size
+        if width * height > limits.max_pixels:
+            raise InvalidRequest(
+                f"image is {width}x{height} pixels, over the {limits.max_pixels} pixel limit"
+            )
+        return image.convert("RGB")
+    except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest(f"image_url does not hold a PNG, JPEG or WebP image ({exc})") from None
+
+
+def decode_data_url(url: str, limits: ImageLimits) -> Image.Image:
+    """A `data:image/...;base64,` URL -> an RGB image (InvalidRequest when malformed)."""
+    head, sep, payload = url.partition(",")
+    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
+        raise InvalidRequest("image_url must be a data:image/...;base64, URL", "image_url")
+    if len(payload) > limits.max_bytes * 4 // 3 + 4:
+        raise InvalidRequest(f"image is over the {limits.max_bytes}-byte limit", "image_url")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("image_url holds invalid base64", "image_url") from None
+    return decode_image(data, limits)
+
+
+def image_hash(image: Image.Image) -> str:
+    """Content hash of an image's pixels (mode, size, bytes): equal images hash equal."""
+    h = hashlib.sha256(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class PreparedImages:
+    """A prompt with its images: token ids, mm_inputs, and the exports to close."""
+
+    token_ids: list[int]
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    exports: list[ExportedTensor] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Release every exported pixel tensor (unlinks shm segments)."""
+        for export in self.exports:
+            export.close()
+
+
+class MultiModalProcessor:
+    """The model directory's HF processor and image token."""
+
+    def __init__(self, hf_processor: Any, image_token: str, image_token_id: int) -> None:
+        self.hf = hf_processor
+        self.image_token = image_token  # the placeholder text the processor expands
+        self.image_token_id = image_token_id
+
+    @classmethod
+    def load(cls, model_dir: Path) -> MultiModalProcessor | None:
+        """The processor of a vision-language model directory; None for a text-only model."""
+        config = json.loads((model_dir / "config.json").read_text())
+        if "vision_config" not in config:
+            return None
+        from transformers import AutoProcessor
+
+        hf = AutoProcessor.from_pretrained(str(model_dir))
+        token = str(getattr(hf, "image_token", "<image>"))
+        token_id = config.get("image_token_index", config.get("image_token_id"))
+        if token_id is None:
+            token_id = hf.tokenizer.convert_tokens_to_ids(token)
+        return cls(hf, token, int(token_id))
+
+    def prepare(
+        self,
+        text: str,
+        images: Sequence[Image.Image],
+        mode: ExportMode = "shm",
+        add_special_tokens: bool = True,
+    ) -> PreparedImages:
+        """Expand `text` (one image placeholder per image) and export each image's pixels."""
+        if text.count(self.image_token) != len(images):
+            raise InvalidRequest(
+                f"the prompt has {text.count(self.image_token)} image placeholders "
+                f"({self.image_token}) but {len(images)} images"
+            )
+        if not images:
+            plain = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return PreparedImages(list(plain))
+        out = self.hf(
+            text=[text],
+            images=list(images),
+            return_tensors="pt",
+            add_special_tokens=add_special_tokens,
+        )
+        from services.tensor_handles import export_tensor
+
+        ids: list[int] = out["input_ids"][0].tolist()
+        patches = self._patches(images)
+        ranges = self._ranges(ids, patches)
+        prepared = PreparedImages(ids)
+        try:
+            for image, pixels, (start, end) in zip(
+                images, _per_image(out, patches), ranges, strict=True
+            ):
+                export = export_tensor(pixels.contiguous(), mode)
+                prepared.exports.append(export)
+                prepared.mm_inputs.append(
+                    MultiModalInput("image", start, end - start, image_hash(image), export.handle)
+                )
+        except BaseException:
+            prepared.close()
+            raise
+        return prepared
+
+    def _patches(self, images: Sequence[Image.Image]) -> list[int]:
+        """Tiles (patches) the processor makes of each image: 1 for LLaVA."""
+        sizes = [(im.height, im.width) for im in images]
+        return list(self.hf._get_num_multimodal_tokens(image_sizes=sizes).num_image_patches)
+
+    def _ranges(self, ids: list[int], patches: list[int]) -> list[tuple[int, int]]:
+        """[start, end) of each image's image tokens, splitting them by each image's patch
+        count (adjacent images may form one run of tokens)."""
+        positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
+        per_patch, rest = divmod(len(positions), sum(patches))
+        if rest or per_patch == 0:
+            raise InvalidRequest("the processor's image tokens do not match the images")
+        bounds = np.cumsum([0, *(p * per_patch for p in patches)])
+        return [
+            (int(positions[a]), int(positions[b - 1]) + 1) for a, b in itertools.pairwise(bounds)
+        ]
+
+
+def _per_image(out: Any, patches: list[int]) -> list[torch.Tensor]:
+    """The processor's pixel values of one prompt split per image: LLaVA [images, 3, H, W]
+    -> [3, H, W]; Idefics3 [1, tiles, 3, H, W] (+ pixel_attention_mask [1, tiles, H, W])
+    -> [image's tiles, 4, H, W], the mask as a fourth channel."""
+    import torch
+
+    pixels: torch.Tensor = out["pixel_values"]
+    if pixels.dim() == 4 and pixels.shape[0] == len(patches):
+        return list(pixels)
+    if pixels.dim() != 5 or pixels.shape[:2] != (1, sum(patches)):
+        raise InvalidRequest(f"unsupported pixel_values layout {list(pixels.shape)}")
+    tiles = pixels[0]  # [tiles, 3, H, W]
+    mask = out.get("pixel_attention_mask")
+    if mask is not None:
+        tiles = torch.cat([tiles, mask[0].unsqueeze(1).to(tiles.dtype)], dim=1)
+    return list(tiles.split(patches))
+
+
+def chat_images(
+    messages: Sequence[dict[str, Any]], limits: ImageLimits
+) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """OpenAI chat messages -> (messages whose image_url parts became {"type": "image"},
+    as HF chat templates expect, and the decoded images in order)."""
+    images: list[Image.Image] = []
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(dict(message))
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                images.append(decode_data_url(_url_of(part), limits))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    if len(images) > limits.max_images:
+        raise InvalidRequest(
+            f"{len(images)} images in one prompt, over the limit of {limits.max_images}"
+        )
+    return out, images
+
+
+def _url_of(part: dict[str, Any]) -> str:
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str):
+        raise InvalidRequest("an image_url part needs {'url': str}", "image_url")
+    return url
