@@ -239,7 +239,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         for address in self.scheduler_addresses:
-            _require(":" in address, "scheduler addresses must be host:port")
+            _require(":" in address, f"scheduler_address must be host:port, not {address!r}")
         _require(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}")
         for name in ("port", "grpc_port"):
             _require(0 <= getattr(self, name) <= 65535, f"{name} must be a TCP port")
