@@ -64,13 +64,16 @@ def _client(stack: Stack) -> Any:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
 
 
-def _ask(stack: Stack, messages: list[dict[str, Any]], stream: bool = False) -> Any:
+def _ask(
+    stack: Stack, messages: list[dict[str, Any]], stream: bool = False, logprobs: bool = False
+) -> Any:
     return _client(stack).chat.completions.create(
         model=_client(stack).models.list().data[0].id,
         messages=messages,
         temperature=0,
         max_tokens=MAX_TOKENS,
         stream=stream,
+        logprobs=logprobs,
         extra_body={"ignore_eos": True},
     )
 
@@ -87,11 +90,13 @@ def test_chat_equals_hf_generate(stack: Stack, model_dir: Path, index: int) -> N
         MAX_TOKENS,
         add_special_tokens=False,
     )
-    expected = AutoTokenizer.from_pretrained(model_dir).decode(
-        expected_ids, skip_special_tokens=True
-    )
-    reply = _ask(stack, messages)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    expected = tokenizer.decode(expected_ids, skip_special_tokens=True)
+    reply = _ask(stack, messages, logprobs=True)
     assert reply.choices[0].message.content == expected
+    # token for token: each sampled token as the gateway reports it (decoded on its own)
+    tokens = [entry.token for entry in reply.choices[0].logprobs.content]
+    assert tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in expected_ids]
     streamed = "".join(c.choices[0].delta.content or "" for c in _ask(stack, messages, True))
     assert streamed == expected
 
