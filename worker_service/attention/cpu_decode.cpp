@@ -8,10 +8,10 @@
 //   block_table  [num_reqs_in_step, table_stride] int32; seq_lens [num_reqs_in_step] int32
 // Query head h attends with KV head h / (heads / kv_heads), as HF's repeat_kv. Scores,
 // softmax and the weighted sum are float32; bf16 inputs are widened exactly and the output
-// rounded to nearest even. Built for AVX-512 or AVX2 (cpu_simd.h; head sizes a multiple of
-// the vector width), a vector's worth of rows is scored at once (each row's dot product summed
-// in the portable loop's order, so both round alike) and the weighted sum keeps its
-// accumulators in registers; elsewhere portable loops.
+// rounded to nearest even. Built for AVX-512 (cpu_simd.h; head sizes a multiple of 16), 16
+// rows are scored at once (each row's dot product summed in the portable loop's order, so
+// both round alike) and the weighted sum keeps its accumulators in registers; elsewhere
+// portable loops.
 
 #include <algorithm>
 #include <cmath>
@@ -49,12 +49,12 @@ struct Shape {
 
 // Per-thread float32 buffers: the scaled queries, the accumulators, one block's widened
 // K or V rows, and the scores of the group's query heads over the whole sequence.
-// `parts` holds, per query head, W rows' lane-wise products (the SIMD paths, W <= 16).
+// `parts` holds, per query head, W rows' lane-wise products (the SIMD path, W = 16).
 struct Scratch {
   std::vector<float> buf;
   float *q, *acc, *rows, *scores, *parts;
   void reserve(int64_t group, int64_t dim, int64_t block_size, int64_t seq_len) {
-    buf.resize(size_t(2 * group * dim + block_size * dim + group * seq_len + group * 256 + 16));
+    buf.resize(size_t(2 * group * dim + block_size * dim + group * seq_len + group * 256));
     q = buf.data();
     acc = q + group * dim;
     rows = acc + group * dim;
