@@ -3,7 +3,8 @@
 `python -m benchmarks.rss_probe [--rounds N] [--same] [--mode seeded|greedy|random]` runs the
 engine and the real worker in this process (tessera.LLM, default model) on soak-like chat
 prompts, 64 per round, and prints RSS and the number of live Python objects after each
-round, then RSS after glibc's malloc_trim. `--same` repeats one round's exact prompts and
+round, with glibc's bytes in use and free in its heaps (mallinfo2: growth in use is memory
+something keeps; growth in free is fragmentation), then RSS after glibc's malloc_trim. `--same` repeats one round's exact prompts and
 lengths with prefix caching off, so every round schedules the same batch shapes.
 """
 
@@ -23,6 +24,34 @@ MODES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "random": {"temperature": 0.8},
 }
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2`, summed over every arena."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in [
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        ]
+    ]
+
+
+def heap_mb() -> tuple[float, float]:
+    """(MB in use, MB free) in glibc's heaps, outside its mmapped blocks."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks / 2**20, info.fordblks / 2**20
 
 
 def rss_mb() -> float:
@@ -62,7 +91,11 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         gc.collect()
         elapsed = time.perf_counter() - start
-        print(f"round {r}: rss {rss_mb():.1f} MB, {len(gc.get_objects())} objects, {elapsed:.1f}s")
+        used, free = heap_mb()
+        print(
+            f"round {r}: rss {rss_mb():.1f} MB (heap in use {used:.0f}, free {free:.0f}), "
+            f"{len(gc.get_objects())} objects, {elapsed:.1f}s"
+        )
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     print(f"after malloc_trim: rss {rss_mb():.1f} MB")
 

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import secrets
 import signal
@@ -32,7 +31,7 @@ from typing import Any
 import grpc
 import httpx
 
-from benchmarks.report import markdown_table, write_results
+from benchmarks.report import cpu_info, cpu_line, markdown_table, write_results
 from services.config import SecurityConfig
 from services.grpc_utils import aio_channel, sync_channel
 from services.healthcheck import http_healthy
@@ -284,7 +283,7 @@ def soak(
         "rss_growth": _round(growth, 4), "kv_blocks_in_use_end": stats.num_blocks_used,
         "rss_mb_timeline": timeline,
         "checks": checks, "ok": all(checks.values()),
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count()},
+        "machine": cpu_info(),
     }  # fmt: skip
 
 
@@ -299,17 +298,6 @@ def _sample_rss(
             return
 
 
-def _cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (figures name their CPU)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _round(d: dict[str, float], digits: int = 1) -> dict[str, float]:
     return {k: round(v, digits) for k, v in d.items()}
 
@@ -319,7 +307,8 @@ def table(data: dict[str, Any]) -> str:
              "rss_mb_end": data["rss_mb_end"][s], "growth": data["rss_growth"][s]}
             for s in data["rss_mb_after_warmup"]]  # fmt: skip
     outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(data["outcomes"].items()))
-    head = (f"Soak: {data['requests']} requests in {data['elapsed_s']} s ({outcomes}); "
+    head = (f"{cpu_line(data['machine'])}\n\n"
+            f"Soak: {data['requests']} requests in {data['elapsed_s']} s ({outcomes}); "
             f"KV blocks in use at the end: {data['kv_blocks_in_use_end']}; ok: {data['ok']}\n\n")  # fmt: skip
     return head + markdown_table(rows, ["service", "rss_mb_after_warmup", "rss_mb_end", "growth"])
 

@@ -3,6 +3,7 @@ decode kernel stays on where the CPU has bf16 instructions), HF's exact kernels 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,16 @@ def test_hf_exact_turns_the_decode_kernel_off(
     runner = _runner(tiny_dir, AMX, monkeypatch, hf_exact_numerics=True)
     assert not runner.backend.decode_kernel
     assert _gemm_dtypes(runner) == {None}  # HF's own F.linear
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_packing_bounds_onednn_primitive_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN keeps one GEMM primitive per batch size in two caches; packing caps both (read
+    at the first primitive) unless the user chose a capacity."""
+    from worker_service.models.layers import ONEDNN_CACHE_CAPACITY, pack_onednn
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
+    pack_onednn(torch.randn(8, 8), torch.float32)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ONEDNN_CACHE_CAPACITY
+    assert os.environ["LRU_CACHE_CAPACITY"] == "64"
