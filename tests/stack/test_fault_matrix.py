@@ -141,6 +141,10 @@ def _kill_during_streams(stack: Stack, client: openai.OpenAI, victim: str) -> li
             problems.append(f"{victim}: no answer within {BACK_WITHIN_S:.0f}s of the kill")
             break
         time.sleep(0.25)
+    errored = sum(1 for o in outcomes if o.error)
+    print(
+        f"{victim}: {errored} streams errored, answering {time.monotonic() - killed_at:.1f}s after the kill"
+    )
     return problems
 
 
