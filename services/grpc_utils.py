@@ -36,6 +36,11 @@ SERVER_OPTIONS = [  # GrpcServer adds grpc.max_receive_message_length
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
+    # BDP probing grows each stream's flow-control window to MBs, which the transport then
+    # buffers before it can refuse an oversized message: 8 clients sending 50 MB at once
+    # grew the gateway by 30-144 MB; with a fixed window, by under 1 MB (a 20 MB message
+    # arrives as fast over loopback).
+    ("grpc.http2.bdp_probe", 0),
     *_KEEPALIVE,
 ]
 # Idempotent internal unary calls, retried on UNAVAILABLE (a restarting peer) by gRPC itself.
