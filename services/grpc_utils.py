@@ -132,10 +132,11 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if handler.unary_unary:
             return handler._replace(unary_unary=_guard_unary(handler.unary_unary, details.method))
-        if handler.unary_stream:
-            return handler._replace(
-                unary_stream=_guard_stream(handler.unary_stream, details.method)
-            )
+        for kind in ("unary_stream", "stream_stream"):  # async generators, guarded alike
+            if getattr(handler, kind):
+                return handler._replace(
+                    **{kind: _guard_stream(getattr(handler, kind), details.method)}
+                )
         return handler
 
 

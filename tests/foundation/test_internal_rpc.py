@@ -48,7 +48,10 @@ class Flaky(engine_pb2_grpc.EngineCoreServicer):
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         await self._maybe_fail("GenerateStream", context)
-        yield engine_pb2.EngineCoreOutputs()
+        async for command in request_iterator:
+            if command.add.request_id == "bad":
+                raise ValueError("no such thing as a bad request")
+            yield engine_pb2.EngineCoreOutputs()
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await self._maybe_fail("Generate", context)
@@ -115,5 +118,29 @@ def test_health_status_tells_down_from_not_serving() -> None:
         down = f"127.0.0.1:{free_port()}"
         assert await asyncio.to_thread(health_status, down, "", 1.0) is None
         assert await asyncio.to_thread(healthcheck.main, ["grpc", "--up", down]) == 1
+
+    asyncio.run(body())
+
+
+def test_an_exception_in_a_bidirectional_stream_becomes_its_status() -> None:
+    async def body() -> None:
+        server = await _serve(Flaky(0))
+        async with aio_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = engine_pb2_grpc.EngineCoreStub(channel)
+            for request_id in ("ok", "bad"):
+                add = engine_pb2.EngineCoreRequest(request_id=request_id)
+                call = stub.GenerateStream(timeout=10)
+                await call.write(engine_pb2.EngineCoreCommand(add=add))
+                if request_id == "ok":
+                    assert await call.read() == engine_pb2.EngineCoreOutputs()
+                    await call.done_writing()
+                    continue
+                with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+                    await call.read()
+                assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "no such thing as a bad request" in (excinfo.value.details() or "")
+            stats = await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=10)
+            assert stats.num_running == 7  # the server lives on
+        await server.stop(0)
 
     asyncio.run(body())
