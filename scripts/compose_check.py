@@ -1,0 +1,357 @@
+"""Run compose.yaml for real with podman and prove the stack recovers by itself (issue 14).
+
+`make compose-check` (`python -m scripts.compose_check`) builds the image from the Dockerfile
+(the host's pip settings go in as the build secret `pipconf`), brings the stack up with
+podman-compose, waits for health, chats through the published gateway port with the `openai`
+client, checks that only the gateway publishes ports and that the engine refuses a call without
+the internal token, then SIGKILLs the engine container's main process, the gateway container's
+main process and the worker inside the engine container, timing each until the stack answers a
+new request again with no human help. Writes bench-results/compose_check.{json,md}; exits 1 on
+a failed check and 3 where no container engine or compose tool can run (not part of CI).
+
+Podman-only workarounds (Docker does these by itself):
+- podman 4.3 runs healthchecks from systemd timers; without systemd nothing runs them, so this
+  script runs `podman healthcheck run` itself (depends_on's service_healthy is skipped by
+  podman-compose on podman 4.3: the gateway starts at once and answers 503 until the engine is up).
+- podman cannot map a host port range onto one container port ("host and container port ranges
+  have different lengths"), so each gateway port is one free host port (TESSERA_*_PORTS).
+- `podman kill` counts as a stop by the user and disables the restart policy, so a crash is a
+  SIGKILL sent from the host to the container's main process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from benchmarks.report import cpu_info, cpu_line, markdown_table, write_results
+from benchmarks.soak import _free_port as free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PROJECT = "tessera-check"  # compose project name: never the user's own `tessera` stack
+IMAGE = "tessera:latest"  # the image compose.yaml names
+LOCAL_BASE = "localhost/debian:bookworm"  # a debootstrap base, used when present
+HOST_MOUNT = "/mnt/host"  # where the build sees the host paths pip's settings name
+NO_ENGINE = 3  # exit code: no container engine or compose tool here
+LIMIT_S = {"engine": 60.0, "gateway": 60.0, "worker": 60.0}  # recovery limits per kill
+PROMPT = "What is the capital of France?"
+# Run inside a container on the stack's network: the health probe is open, EngineCore is not.
+TOKEN_PROBE = """
+import sys, grpc
+from services.healthcheck import main as health
+from services.pb import engine_pb2, engine_pb2_grpc
+print("probe health", health(["grpc", sys.argv[1]]))
+stub = engine_pb2_grpc.EngineCoreStub(grpc.insecure_channel(sys.argv[1]))
+try:
+    stub.GetServerInfo(engine_pb2.GetServerInfoRequest(), timeout=10)
+    print("probe call OK")
+except grpc.RpcError as e:
+    print("probe call", e.code().name)
+"""
+
+
+def run(*argv: str, check: bool = True, timeout: float = 900, **kw: Any) -> str:
+    """stdout of `argv` (stderr passes through); CalledProcessError when check and rc != 0."""
+    done = subprocess.run(
+        argv, cwd=REPO, stdout=subprocess.PIPE, text=True, timeout=timeout, check=check, **kw
+    )
+    return done.stdout
+
+
+def missing_tools(podman: str | None, compose: list[str] | None) -> str | None:
+    """Why the check cannot run here, or None when podman and a compose tool both work."""
+    if podman is None:
+        return "no container engine: `podman` is not on PATH (apt-get install podman runc)"
+    if subprocess.run([podman, "info"], capture_output=True, check=False).returncode != 0:
+        return "podman is installed but `podman info` fails (see /work/shared/containers.md)"
+    if not compose or shutil.which(compose[0]) is None:
+        return "no compose tool: install podman-compose (in its own venv) or pass --compose"
+    return None
+
+
+# ---- pip settings for the image build ------------------------------------------------------
+
+
+def pip_settings() -> dict[str, dict[str, str]]:
+    """This host's effective pip settings by section; PIP_* variables override the files."""
+    listing = run(sys.executable, "-m", "pip", "config", "list")
+    files: dict[str, dict[str, str]] = {}
+    env: dict[str, str] = {}
+    for line in listing.splitlines():
+        name, sep, value = line.partition("=")
+        section, _, key = name.rpartition(".")
+        if sep and key:
+            target = env if section == ":env:" else files.setdefault(section, {})
+            target[key] = ast.literal_eval(value)
+    files.setdefault("global", {}).update(env)
+    return files
+
+
+def mount_host_paths(
+    settings: dict[str, dict[str, str]],
+) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """`settings` with every existing host path (plain or file://) moved under HOST_MOUNT, and
+    the host paths the build must mount there read-only. A local index is mounted with its
+    parent folder: its pages link to files beside it (`../../files/...`)."""
+    mounts: list[str] = []
+
+    def moved(key: str, token: str) -> str:
+        scheme = "file://" if token.startswith("file://") else ""
+        path = token.removeprefix(scheme)
+        if not path.startswith("/") or not Path(path).exists():
+            return token
+        mounts.append(str(Path(path).parent) if key.endswith("index-url") else path)
+        return f"{scheme}{HOST_MOUNT}{path}"
+
+    rewritten = {
+        section: {k: " ".join(moved(k, t) for t in v.split()) for k, v in values.items()}
+        for section, values in settings.items()
+    }
+    return rewritten, sorted(set(mounts))
+
+
+def pip_conf(settings: dict[str, dict[str, str]]) -> str:
+    """The text of a pip.conf holding `settings`."""
+    blocks = [
+        f"[{s}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items()) for s, kv in settings.items()
+    ]
+    return "\n".join(blocks)
+
+
+def build_image(podman: str, base_image: str | None) -> float:
+    """Build IMAGE from the Dockerfile with the host's pip settings; returns the seconds taken."""
+    settings, mounts = mount_host_paths(pip_settings())
+    volumes = [a for p in mounts for a in ("-v", f"{p}:{HOST_MOUNT}{p}:ro")]  # podman only
+    base = ["--build-arg", f"BASE_IMAGE={base_image}"] if base_image else []
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = Path(tmp) / "pip.conf"
+        conf.write_text(pip_conf(settings))
+        start = time.monotonic()
+        run(
+            podman, "build", "-t", IMAGE, "--secret", f"id=pipconf,src={conf}", *volumes, *base, "."
+        )
+    return time.monotonic() - start
+
+
+# ---- the running stack ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One compose project of compose.yaml, driven through `compose` (podman-compose)."""
+
+    podman: str
+    compose: list[str]
+    http_port: int
+    grpc_port: int
+    token: str
+
+    def compose_run(self, *args: str, check: bool = True) -> str:
+        env = {**os.environ, "COMPOSE_PROFILES": "cpu", "TESSERA_INTERNAL_TOKEN": self.token,
+               "TESSERA_HTTP_PORTS": str(self.http_port),
+               "TESSERA_GRPC_PORTS": str(self.grpc_port)}  # fmt: skip
+        return run(*self.compose, "-p", PROJECT, *args, check=check, env=env)
+
+    def containers(self) -> dict[str, str]:
+        """service name -> container name, for this project's containers."""
+        listing = run(self.podman, "ps", "-a", "--format", "json", "--filter",
+                      f"label=com.docker.compose.project={PROJECT}")  # fmt: skip
+        return {
+            c["Labels"]["com.docker.compose.service"]: c["Names"][0] for c in json.loads(listing)
+        }
+
+    def inspect(self, service: str) -> dict[str, Any]:
+        data: list[dict[str, Any]] = json.loads(
+            run(self.podman, "inspect", self.containers()[service])
+        )
+        return data[0]
+
+    def healthy(self) -> bool:
+        """Every container's own healthcheck passes (run from here: podman 4.3 runs them from
+        systemd timers, and there may be no systemd)."""
+        names = list(self.containers().values())
+        probe = [self.podman, "healthcheck", "run"]
+        codes = [
+            subprocess.run([*probe, n], capture_output=True, check=False).returncode for n in names
+        ]
+        return bool(names) and not any(codes)
+
+
+def ask(port: int, timeout_s: float = 10) -> str | None:
+    """The answer to PROMPT through the gateway's OpenAI API, or None when it fails."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=timeout_s
+    )
+    try:
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=16,
+            temperature=0,
+        )  # fmt: skip
+        return reply.choices[0].message.content or ""
+    except (openai.OpenAIError, IndexError):
+        return None
+
+
+def wait_until(probe: Any, limit_s: float, every_s: float = 0.25) -> float | None:
+    """Seconds until probe() is true, or None past limit_s."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if probe():
+            return time.monotonic() - start
+        time.sleep(every_s)
+    return None
+
+
+def answers(stack: Stack) -> bool:
+    return "Paris" in (ask(stack.http_port) or "")
+
+
+# ---- checks --------------------------------------------------------------------------------
+
+
+def published_ports(stack: Stack) -> dict[str, list[str]]:
+    """service -> the host ports its container publishes."""
+    result: dict[str, list[str]] = {}
+    for service in stack.containers():
+        ports = stack.inspect(service)["NetworkSettings"]["Ports"] or {}
+        result[service] = sorted(b["HostPort"] for binds in ports.values() for b in binds or [])
+    return result
+
+
+def token_probe(stack: Stack) -> dict[str, str]:
+    """From the gateway's container (on the stack's network), with no token: the engine's
+    health probe and an EngineCore call."""
+    gateway = stack.containers()["gateway"]
+    out = run(stack.podman, "exec", gateway, "python", "-c", TOKEN_PROBE, "engine:50051")
+    lines = [line.split(" ")[1:] for line in out.splitlines() if line.startswith("probe ")]
+    return {k: v for k, v in lines}
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended meanwhile
+        if ppid == pid:
+            found.append((int(stat.parent.name), cmdline))
+    return found
+
+
+def victim(stack: Stack, what: str) -> int:
+    """The host pid to SIGKILL: a container's main process, or the engine's worker."""
+    service = "gateway" if what == "gateway" else "engine"
+    pid = int(stack.inspect(service)["State"]["Pid"])
+    if what == "worker":
+        pid = next(p for p, cmd in children(pid) if "-m worker_service" in cmd)
+    return pid
+
+
+def kill_and_time(stack: Stack, what: str) -> dict[str, Any]:
+    """SIGKILL `what` and time until the stack answers again; the container must restart for
+    engine and gateway, and must not for the worker (the engine's supervisor restarts it)."""
+    service = "gateway" if what == "gateway" else "engine"
+    restarts = int(stack.inspect(service)["RestartCount"])
+    os.kill(victim(stack, what), signal.SIGKILL)
+    recovered = wait_until(lambda: answers(stack), LIMIT_S[what])
+    restarted = int(stack.inspect(service)["RestartCount"]) - restarts
+    ok = recovered is not None and restarted == (0 if what == "worker" else 1)
+    settled = wait_until(stack.healthy, 120, every_s=1)  # healthy again before the next kill
+    return {"killed": what, "recovered_s": None if recovered is None else round(recovered, 1),
+            "limit_s": LIMIT_S[what], "container_restarts": restarted,
+            "healthy_again": settled is not None, "ok": ok and settled is not None}  # fmt: skip
+
+
+def check_stack(stack: Stack) -> dict[str, Any]:
+    """Bring the stack up and run every check; the stack is left up for the caller to remove."""
+    start = time.monotonic()
+    stack.compose_run("up", "-d")
+    first = wait_until(lambda: answers(stack), 600, every_s=1)
+    up_s = time.monotonic() - start
+    healthy = wait_until(stack.healthy, 180, every_s=1) is not None
+    answer = ask(stack.http_port) or ""
+    ports = published_ports(stack)
+    probe = token_probe(stack)
+    checks = {
+        "serves_paris": first is not None and "Paris" in answer,
+        "healthchecks_pass": healthy,
+        "only_gateway_publishes": ports.get("engine") == []
+        and ports.get("gateway") == sorted([str(stack.http_port), str(stack.grpc_port)]),
+        "engine_health_open": probe.get("health") == "0",
+        "engine_refuses_without_token": probe.get("call") == "UNAUTHENTICATED",
+    }
+    kills = [kill_and_time(stack, what) for what in ("engine", "gateway", "worker")]
+    checks.update({f"recovers_after_{k['killed']}_kill": k["ok"] for k in kills})
+    return {"up_to_first_answer_s": round(up_s, 1), "answer": answer, "published_ports": ports,
+            "token_probe": probe, "kills": kills, "checks": checks}  # fmt: skip
+
+
+def table(data: dict[str, Any]) -> str:
+    checks = "\n".join(
+        f"- {name}: {'pass' if ok else 'FAIL'}" for name, ok in data["checks"].items()
+    )
+    head = (f"{cpu_line(data['machine'])}\n\n"
+            f"Compose check ({data['engine']}, {data['compose_tool']}, base image "
+            f"{data['base_image']}): image build {data['build_s']} s, `up` to first answer "
+            f"{data['up_to_first_answer_s']} s; ok: {data['ok']}\n\n{checks}\n\n")  # fmt: skip
+    columns = ["killed", "recovered_s", "limit_s", "container_restarts", "healthy_again", "ok"]
+    return head + markdown_table(data["kills"], columns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m scripts.compose_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--compose", default="podman-compose", help="the compose command")
+    p.add_argument("--base-image", default=None,
+                   help=f"BASE_IMAGE build arg (default: {LOCAL_BASE} when present)")  # fmt: skip
+    p.add_argument("--no-build", action="store_true", help=f"use the existing {IMAGE}")
+    p.add_argument("--out", type=Path, default=REPO / "bench-results")
+    args = p.parse_args(argv)
+    podman, compose = shutil.which("podman"), args.compose.split()
+    reason = missing_tools(podman, compose)
+    if reason is not None or podman is None:
+        print(f"compose check NOT RUN: {reason}", file=sys.stderr)
+        return NO_ENGINE
+    base = args.base_image
+    if base is None and _image_exists(podman, LOCAL_BASE):
+        base = LOCAL_BASE
+    build_s = 0.0 if args.no_build else build_image(podman, base)
+    stack = Stack(podman, compose, free_port(), free_port(), secrets.token_hex(32))
+    stack.compose_run("down", check=False)  # a leftover run of this check
+    try:
+        result = check_stack(stack)
+    finally:
+        stack.compose_run("down", check=False)
+    data = {"machine": cpu_info(), "engine": run(podman, "--version").strip(),
+            "compose_tool": run(*compose, "--version").splitlines()[0].strip(),
+            "base_image": base or "Dockerfile default", "build_s": round(build_s, 1), **result}  # fmt: skip
+    data["ok"] = all(data["checks"].values())
+    print(table(data))
+    write_results("compose_check", data, table(data), args.out)
+    return 0 if data["ok"] else 1
+
+
+def _image_exists(podman: str, image: str) -> bool:
+    return subprocess.run([podman, "image", "exists", image], check=False).returncode == 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
