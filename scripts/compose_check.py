@@ -6,8 +6,11 @@ podman-compose, waits for health, chats through the published gateway port with 
 client, checks that only the gateway publishes ports and that the engine refuses a call without
 the internal token, then SIGKILLs the engine container's main process, the gateway container's
 main process and the worker inside the engine container, timing each until the stack answers a
-new request again with no human help. Writes bench-results/compose_check.{json,md}; exits 1 on
-a failed check and 3 where no container engine or compose tool can run (not part of CI).
+new request again with no human help; last, it scales the running stack to `--engines` engine
+replicas, checks that each finishes some of a dozen distinct prompts sent to the one gateway,
+and kills the gateway once more (it must start again while `engine` has several addresses).
+Writes bench-results/compose_check.{json,md}; exits 1 on a failed check and 3 where no container
+engine or compose tool can run (not part of CI).
 
 Podman-only workarounds (Docker does these by itself):
 - podman 4.3 runs healthchecks from systemd timers; without systemd nothing runs them, so this
@@ -17,12 +20,12 @@ Podman-only workarounds (Docker does these by itself):
   have different lengths"), so each gateway port is one free host port (TESSERA_*_PORTS).
 - `podman kill` counts as a stop by the user and disables the restart policy, so a crash is a
   SIGKILL sent from the host to the container's main process.
+- podman-compose 1.6's `down` leaves the containers `--scale` added; the script removes them.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import secrets
@@ -30,7 +33,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +42,9 @@ import openai
 
 from benchmarks.report import cpu_info, cpu_line, markdown_table, write_results
 from benchmarks.soak import _free_port as free_port
+from scripts.compose_image import IMAGE, LOCAL_BASE, REPO, build_image, image_exists, image_mb, run
 
-REPO = Path(__file__).resolve().parent.parent
 PROJECT = "tessera-check"  # compose project name: never the user's own `tessera` stack
-IMAGE = "tessera:latest"  # the image compose.yaml names
-LOCAL_BASE = "localhost/debian:bookworm"  # a debootstrap base, used when present
-HOST_MOUNT = "/mnt/host"  # where the build sees the host paths pip's settings name
 NO_ENGINE = 3  # exit code: no container engine or compose tool here
 LIMIT_S = {"engine": 60.0, "gateway": 60.0, "worker": 60.0}  # recovery limits per kill
 PROMPT = "What is the capital of France?"
@@ -62,14 +61,14 @@ try:
 except grpc.RpcError as e:
     print("probe call", e.code().name)
 """
-
-
-def run(*argv: str, check: bool = True, timeout: float = 900, **kw: Any) -> str:
-    """stdout of `argv` (stderr passes through); CalledProcessError when check and rc != 0."""
-    done = subprocess.run(
-        argv, cwd=REPO, stdout=subprocess.PIPE, text=True, timeout=timeout, check=check, **kw
-    )
-    return done.stdout
+# Run inside an engine container: its scheduler's request count, asked with the internal token.
+FINISHED_PROBE = """
+import os, grpc
+from services.pb import engine_pb2, engine_pb2_grpc
+stub = engine_pb2_grpc.EngineCoreStub(grpc.insecure_channel("127.0.0.1:50051"))
+token = [("authorization", "Bearer " + os.environ["TESSERA_INTERNAL_TOKEN"])]
+print(stub.GetStats(engine_pb2.GetStatsRequest(), metadata=token, timeout=10).num_finished)
+"""
 
 
 def missing_tools(podman: str | None, compose: list[str] | None) -> str | None:
@@ -81,69 +80,6 @@ def missing_tools(podman: str | None, compose: list[str] | None) -> str | None:
     if not compose or shutil.which(compose[0]) is None:
         return "no compose tool: install podman-compose (in its own venv) or pass --compose"
     return None
-
-
-# ---- pip settings for the image build ------------------------------------------------------
-
-
-def pip_settings() -> dict[str, dict[str, str]]:
-    """This host's effective pip settings by section; PIP_* variables override the files."""
-    listing = run(sys.executable, "-m", "pip", "config", "list")
-    files: dict[str, dict[str, str]] = {}
-    env: dict[str, str] = {}
-    for line in listing.splitlines():
-        name, sep, value = line.partition("=")
-        section, _, key = name.rpartition(".")
-        if sep and key:
-            target = env if section == ":env:" else files.setdefault(section, {})
-            target[key] = ast.literal_eval(value)
-    files.setdefault("global", {}).update(env)
-    return files
-
-
-def mount_host_paths(
-    settings: dict[str, dict[str, str]],
-) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """`settings` with every existing host path (plain or file://) moved under HOST_MOUNT, and
-    the host paths the build must mount there read-only. A local index is mounted with its
-    parent folder: its pages link to files beside it (`../../files/...`)."""
-    mounts: list[str] = []
-
-    def moved(key: str, token: str) -> str:
-        scheme = "file://" if token.startswith("file://") else ""
-        path = token.removeprefix(scheme)
-        if not path.startswith("/") or not Path(path).exists():
-            return token
-        mounts.append(str(Path(path).parent) if key.endswith("index-url") else path)
-        return f"{scheme}{HOST_MOUNT}{path}"
-
-    rewritten = {
-        section: {k: " ".join(moved(k, t) for t in v.split()) for k, v in values.items()}
-        for section, values in settings.items()
-    }
-    return rewritten, sorted(set(mounts))
-
-
-def pip_conf(settings: dict[str, dict[str, str]]) -> str:
-    """The text of a pip.conf holding `settings`."""
-    blocks = [
-        f"[{s}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items()) for s, kv in settings.items()
-    ]
-    return "\n".join(blocks)
-
-
-def build_image(podman: str, base_image: str | None) -> float:
-    """Build IMAGE from the Dockerfile with the host's pip settings; returns the seconds taken."""
-    settings, mounts = mount_host_paths(pip_settings())
-    volumes = [a for p in mounts for a in ("-v", f"{p}:{HOST_MOUNT}{p}:ro")]  # podman only
-    base = ["--build-arg", f"BASE_IMAGE={base_image}"] if base_image else []
-    with tempfile.TemporaryDirectory() as tmp:
-        conf = Path(tmp) / "pip.conf"
-        conf.write_text(pip_conf(settings))
-        start = time.monotonic()
-        argv = [podman, "build", "-t", IMAGE, "--secret", f"id=pipconf,src={conf}", *volumes, *base]
-        subprocess.run([*argv, "."], cwd=REPO, stdout=sys.stderr, check=True)  # shows progress
-    return time.monotonic() - start
 
 
 # ---- the running stack ---------------------------------------------------------------------
@@ -166,23 +102,34 @@ class Stack:
         return run(*self.compose, "-p", PROJECT, *args, check=check, env=env)
 
     def containers(self) -> dict[str, str]:
-        """service name -> container name, for this project's containers."""
+        """container name -> its service, for this project's containers."""
         listing = run(self.podman, "ps", "-a", "--format", "json", "--filter",
                       f"label=com.docker.compose.project={PROJECT}")  # fmt: skip
-        return {
-            c["Labels"]["com.docker.compose.service"]: c["Names"][0] for c in json.loads(listing)
+        found = {
+            c["Names"][0]: c["Labels"]["com.docker.compose.service"] for c in json.loads(listing)
         }
+        return dict(sorted(found.items()))
 
-    def inspect(self, service: str) -> dict[str, Any]:
-        data: list[dict[str, Any]] = json.loads(
-            run(self.podman, "inspect", self.containers()[service])
-        )
+    def container(self, service: str) -> str:
+        """The first container of `service` (`<project>_<service>_1`)."""
+        return next(name for name, s in self.containers().items() if s == service)
+
+    def inspect(self, name: str) -> dict[str, Any]:
+        data: list[dict[str, Any]] = json.loads(run(self.podman, "inspect", name))
         return data[0]
+
+    def remove(self) -> None:
+        """`down`, then whatever it left (podman-compose 1.6 forgets scaled containers)."""
+        self.compose_run("down", check=False)
+        leftovers = list(self.containers())
+        if leftovers:
+            run(self.podman, "rm", "-f", *leftovers, check=False)
+            self.compose_run("down", check=False)  # the network, once nothing uses it
 
     def healthy(self) -> bool:
         """Every container's own healthcheck passes (run from here: podman 4.3 runs them from
         systemd timers, and there may be no systemd)."""
-        names = list(self.containers().values())
+        names = list(self.containers())
         probe = [self.podman, "healthcheck", "run"]
         codes = [
             subprocess.run([*probe, n], capture_output=True, check=False).returncode for n in names
@@ -190,15 +137,15 @@ class Stack:
         return bool(names) and not any(codes)
 
 
-def ask(port: int, timeout_s: float = 10) -> str | None:
-    """The answer to PROMPT through the gateway's OpenAI API, or None when it fails."""
+def ask(port: int, timeout_s: float = 10, prompt: str = PROMPT) -> str | None:
+    """The answer to `prompt` through the gateway's OpenAI API, or None when it fails."""
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=timeout_s
     )
     try:
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=16,
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=16,
             temperature=0,
         )  # fmt: skip
         return reply.choices[0].message.content or ""
@@ -224,18 +171,23 @@ def answers(stack: Stack) -> bool:
 
 
 def published_ports(stack: Stack) -> dict[str, list[str]]:
-    """service -> the host ports its container publishes."""
+    """container -> the host ports it publishes."""
     result: dict[str, list[str]] = {}
-    for service in stack.containers():
-        ports = stack.inspect(service)["NetworkSettings"]["Ports"] or {}
-        result[service] = sorted(b["HostPort"] for binds in ports.values() for b in binds or [])
+    for name in stack.containers():
+        ports = stack.inspect(name)["NetworkSettings"]["Ports"] or {}
+        result[name] = sorted(b["HostPort"] for binds in ports.values() for b in binds or [])
     return result
+
+
+def only_gateway_publishes(stack: Stack, ports: dict[str, list[str]]) -> bool:
+    expected = {"gateway": sorted([str(stack.http_port), str(stack.grpc_port)]), "engine": []}
+    return all(ports[name] == expected[s] for name, s in stack.containers().items())
 
 
 def token_probe(stack: Stack) -> dict[str, str]:
     """From the gateway's container (on the stack's network), with no token: the engine's
     health probe and an EngineCore call."""
-    gateway = stack.containers()["gateway"]
+    gateway = stack.container("gateway")
     out = run(stack.podman, "exec", gateway, "python", "-c", TOKEN_PROBE, "engine:50051")
     lines = [line.split(" ")[1:] for line in out.splitlines() if line.startswith("probe ")]
     return {k: v for k, v in lines}
@@ -258,7 +210,7 @@ def children(pid: int) -> list[tuple[int, str]]:
 def victim(stack: Stack, what: str) -> int:
     """The host pid to SIGKILL: a container's main process, or the engine's worker."""
     service = "gateway" if what == "gateway" else "engine"
-    pid = int(stack.inspect(service)["State"]["Pid"])
+    pid = int(stack.inspect(stack.container(service))["State"]["Pid"])
     if what == "worker":
         pid = next(p for p, cmd in children(pid) if "-m worker_service" in cmd)
     return pid
@@ -268,10 +220,11 @@ def kill_and_time(stack: Stack, what: str) -> dict[str, Any]:
     """SIGKILL `what` and time until the stack answers again; the container must restart for
     engine and gateway, and must not for the worker (the engine's supervisor restarts it)."""
     service = "gateway" if what == "gateway" else "engine"
-    restarts = int(stack.inspect(service)["RestartCount"])
+    name = stack.container(service)
+    restarts = int(stack.inspect(name)["RestartCount"])
     os.kill(victim(stack, what), signal.SIGKILL)
     recovered = wait_until(lambda: answers(stack), LIMIT_S[what])
-    restarted = int(stack.inspect(service)["RestartCount"]) - restarts
+    restarted = int(stack.inspect(name)["RestartCount"]) - restarts
     ok = recovered is not None and restarted == (0 if what == "worker" else 1)
     settled = wait_until(stack.healthy, 120, every_s=1)  # healthy again before the next kill
     return {"killed": what, "recovered_s": None if recovered is None else round(recovered, 1),
@@ -279,7 +232,32 @@ def kill_and_time(stack: Stack, what: str) -> dict[str, Any]:
             "healthy_again": settled is not None, "ok": ok and settled is not None}  # fmt: skip
 
 
-def check_stack(stack: Stack, rounds: int) -> dict[str, Any]:
+def scale_engines(stack: Stack, engines: int, prompts: int = 12) -> dict[str, Any]:
+    """`up --scale engine=N` on the running stack, then distinct prompts through the gateway:
+    every engine replica must finish some (the gateway finds them by DNS)."""
+    start = time.monotonic()
+    stack.compose_run("up", "-d", "--scale", f"engine={engines}")
+    names = [n for n, s in stack.containers().items() if s == "engine"]
+    healthy = wait_until(stack.healthy, 300, every_s=1) is not None and len(names) == engines
+    time.sleep(6)  # the gateway re-resolves `engine` every 5 s
+    before = finished(stack, names)
+    story = "Tell me a long story about the sea, the ships and their sailors. " * 4
+    replies = [ask(stack.http_port, 30, f"{i}: {story}") for i in range(prompts)]
+    served = [after - before[n] for n, after in finished(stack, names).items()]
+    ok = healthy and all(r for r in replies) and all(n > 0 for n in served)
+    # A gateway that starts while `engine` answers with several addresses (it used to crash).
+    gateway = kill_and_time(stack, "gateway")
+    return {"engines": len(names), "healthy_s": round(time.monotonic() - start, 1),
+            "prompts": prompts, "finished_per_engine": served,
+            "gateway_kill": gateway, "ok": ok and gateway["ok"]}  # fmt: skip
+
+
+def finished(stack: Stack, names: list[str]) -> dict[str, int]:
+    """engine container -> requests its scheduler finished (asked inside, with the token)."""
+    return {n: int(run(stack.podman, "exec", n, "python", "-c", FINISHED_PROBE)) for n in names}
+
+
+def check_stack(stack: Stack, rounds: int, engines: int) -> dict[str, Any]:
     """Bring the stack up and run every check; the stack is left up for the caller to remove."""
     start = time.monotonic()
     stack.compose_run("up", "-d")
@@ -292,8 +270,7 @@ def check_stack(stack: Stack, rounds: int) -> dict[str, Any]:
     checks = {
         "serves_paris": first is not None and "Paris" in answer,
         "healthchecks_pass": healthy,
-        "only_gateway_publishes": ports.get("engine") == []
-        and ports.get("gateway") == sorted([str(stack.http_port), str(stack.grpc_port)]),
+        "only_gateway_publishes": only_gateway_publishes(stack, ports),
         "engine_health_open": probe.get("health") == "0",
         "engine_refuses_without_token": probe.get("call") == "UNAUTHENTICATED",
     }
@@ -304,8 +281,11 @@ def check_stack(stack: Stack, rounds: int) -> dict[str, Any]:
     ]
     for what in ("engine", "gateway", "worker"):
         checks[f"recovers_after_{what}_kill"] = all(k["ok"] for k in kills if k["killed"] == what)
+    scaled = scale_engines(stack, engines) if engines > 1 else {}
+    if scaled:
+        checks[f"{engines}_engines_all_serve"] = scaled["ok"]
     return {"up_to_first_answer_s": round(up_s, 1), "answer": answer, "published_ports": ports,
-            "token_probe": probe, "kills": kills, "checks": checks}  # fmt: skip
+            "token_probe": probe, "kills": kills, "scaled": scaled, "checks": checks}  # fmt: skip
 
 
 def table(data: dict[str, Any]) -> str:
@@ -325,7 +305,12 @@ def table(data: dict[str, Any]) -> str:
         "healthy_again",
         "ok",
     ]
-    return head + markdown_table(data["kills"], columns)
+    scaled = data["scaled"]
+    tail = (f"\n`--scale engine={scaled['engines']}`: {scaled['prompts']} distinct prompts, "
+            f"finished per engine {scaled['finished_per_engine']}; the gateway killed then "
+            f"answered again in {scaled['gateway_kill']['recovered_s']} s; ok: {scaled['ok']}\n"
+            if scaled else "")  # fmt: skip
+    return head + markdown_table(data["kills"], columns) + tail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"BASE_IMAGE build arg (default: {LOCAL_BASE} when present)")  # fmt: skip
     p.add_argument("--no-build", action="store_true", help=f"use the existing {IMAGE}")
     p.add_argument("--rounds", type=int, default=3, help="kills of each kind")
+    p.add_argument("--engines", type=int, default=2, help="engine replicas of the scale check")
     p.add_argument("--fresh", action="store_true", help="start with an empty model-cache volume")
     p.add_argument("--out", type=Path, default=REPO / "bench-results")
     args = p.parse_args(argv)
@@ -345,31 +331,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compose check NOT RUN: {reason}", file=sys.stderr)
         return NO_ENGINE
     base = args.base_image
-    if base is None and _image_exists(podman, LOCAL_BASE):
+    if base is None and image_exists(podman, LOCAL_BASE):
         base = LOCAL_BASE
     build_s = 0.0 if args.no_build else build_image(podman, base)
     stack = Stack(podman, compose, free_port(), free_port(), secrets.token_hex(32))
-    stack.compose_run("down", *(["-v"] if args.fresh else []), check=False)  # a leftover run
+    stack.remove()  # a leftover run of this check
+    if args.fresh:
+        stack.compose_run("down", "-v", check=False)
     try:
-        result = check_stack(stack, args.rounds)
+        result = check_stack(stack, args.rounds, args.engines)
     finally:
-        stack.compose_run("down", check=False)
+        stack.remove()
     data = {"machine": cpu_info(), "engine": run(podman, "--version").strip(),
             "compose_tool": run(*compose, "--version").splitlines()[0].strip(),
             "base_image": base or "Dockerfile default", "build_s": round(build_s, 1), "fresh_cache": args.fresh,
-            "image_mb": _image_mb(podman), **result}  # fmt: skip
+            "image_mb": image_mb(podman), **result}  # fmt: skip
     data["ok"] = all(data["checks"].values())
     print(table(data))
     write_results("compose_check", data, table(data), args.out)
     return 0 if data["ok"] else 1
-
-
-def _image_mb(podman: str) -> int:
-    return int(run(podman, "image", "inspect", "--format", "{{.Size}}", IMAGE)) // 2**20
-
-
-def _image_exists(podman: str, image: str) -> bool:
-    return subprocess.run([podman, "image", "exists", image], check=False).returncode == 0
 
 
 if __name__ == "__main__":

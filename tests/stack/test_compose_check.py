@@ -1,5 +1,6 @@
-"""The parts of scripts/compose_check.py that run without a container engine: how the host's pip
-settings reach the image build, and the distinct exit code where no engine can run."""
+"""The parts of scripts/compose_check.py and compose_image.py that run without a container
+engine: how the host's pip settings reach the image build, and the distinct exit code where no
+engine can run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.compose_check import HOST_MOUNT, NO_ENGINE, mount_host_paths, pip_conf, pip_settings
+from scripts.compose_check import NO_ENGINE
+from scripts.compose_image import HOST_MOUNT, mount_host_paths, pip_conf, pip_settings
 from tests.stack.harness import REPO
 
 
