@@ -77,7 +77,8 @@ serve: install
 	$(VENV)/bin/tessera serve $(SERVE_ARGS)
 
 # Compose for real (podman + podman-compose; not CI): build, serve, kill the engine, the gateway
-# and the worker, time each recovery; bench-results/compose_check.{json,md}. Exit 3: no engine.
+# and the worker, time each recovery, scale to two engines; bench-results/compose_check.{json,md}.
+# Exit 3: no container engine here.
 COMPOSE ?= podman-compose
 compose-check: install
 	$(PY) -m scripts.compose_check --compose "$(COMPOSE)" $(COMPOSE_CHECK_ARGS)
