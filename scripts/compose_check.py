@@ -12,14 +12,15 @@ and kills the gateway once more (it must start again while `engine` has several 
 Writes bench-results/compose_check.{json,md}; exits 1 on a failed check and 3 where no container
 engine or compose tool can run (not part of CI).
 
+A crash is a SIGKILL sent from the host to the container's main process: `podman kill`, like
+`docker kill`, disables the restart policy until the container is next started.
+
 Podman-only workarounds (Docker does these by itself):
 - podman 4.3 runs healthchecks from systemd timers; without systemd nothing runs them, so this
   script runs `podman healthcheck run` itself (depends_on's service_healthy is skipped by
   podman-compose on podman 4.3: the gateway starts at once and answers 503 until the engine is up).
 - podman cannot map a host port range onto one container port ("host and container port ranges
   have different lengths"), so each gateway port is one free host port (TESSERA_*_PORTS).
-- `podman kill` counts as a stop by the user and disables the restart policy, so a crash is a
-  SIGKILL sent from the host to the container's main process.
 - podman-compose 1.6's `down` leaves the containers `--scale` added; the script removes them.
 """
 
