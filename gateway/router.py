@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from gateway.engine_client import EngineClient, EngineStream
+from gateway.engine_client import RPC_TIMEOUT_S, EngineClient, EngineStream
 from gateway.errors import ApiError, ServiceUnavailable
 from gateway.routing import Candidate, RoutingPolicy, affinity_key, choose, resolve_replicas
 from services.step_types import SchedulerStats, ServerInfo
@@ -57,6 +57,7 @@ class Replica:
     in_flight: int = 0  # this gateway's requests on it
     routed: int = 0  # requests sent to it since start
     groups: dict[str, int] = field(default_factory=dict)  # client request id -> choices open
+    retired_at: float = 0.0  # monotonic time it left DNS (0: still known)
 
     def candidate(self, now: float, prefixes: int) -> Candidate:
         fresh = self.stats is not None and now - self.stats_at <= STATS_MAX_AGE_S
@@ -245,12 +246,18 @@ class EngineRouter:
         log.info("engine replicas: %s", ", ".join(addresses))
         self.replicas = [known.get(a) or Replica(a, EngineClient(a)) for a in addresses]
         kept = set(addresses)
-        self._retired.extend(r for a, r in known.items() if a not in kept)
+        gone = [r for a, r in known.items() if a not in kept]
+        for replica in gone:
+            replica.retired_at = time.monotonic()
+        self._retired.extend(gone)
 
     async def _close_idle_retired(self) -> None:
-        idle = [r for r in self._retired if r.in_flight == 0]
-        self._retired = [r for r in self._retired if r.in_flight]
-        for replica in idle:
+        """Close replicas gone from DNS once idle and past the unary deadline: closing the
+        channel would cancel a call still on it (the first GetServerInfo, a stats poll)."""
+        now = time.monotonic()
+        done = [r for r in self._retired if not r.in_flight and now - r.retired_at > RPC_TIMEOUT_S]
+        self._retired = [r for r in self._retired if r not in done]
+        for replica in done:
             await replica.client.close()
 
 

@@ -315,3 +315,34 @@ def test_new_prefixes_spread_and_known_ones_go_home() -> None:
         await router.close()
 
     run_with_engines(2, body)
+
+
+class SlowInfoEngine(LoadedEngine):
+    """A fake engine whose GetServerInfo takes a while (a replica still connecting)."""
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:
+        await asyncio.sleep(0.5)
+        return await super().GetServerInfo(request, context)
+
+
+def test_a_call_in_flight_survives_its_replica_leaving_dns(
+    fake_dns: dict[str, list[str]],
+) -> None:
+    """Compose `--scale engine=2`: the gateway starts with the name `engine:50051`, asks it for
+    GetServerInfo, and meanwhile DNS answers with two addresses, which retires the name's
+    client; closing it under the call cancelled the call and crashed the gateway's start."""
+
+    async def body(engines: list[FakeEngine], servers: list[GrpcServer]) -> None:
+        slow = await start_fake_engine(SlowInfoEngine([5, 6, 7, 8]))
+        try:
+            name = f"localhost:{slow.port}"
+            fake_dns[name] = addresses(servers)
+            router = EngineRouter([name], resolve_every_s=0.05)
+            info = await router.server_info()  # on the name's client, retired meanwhile
+            assert info.block_size == BLOCK and len(router.replicas) == 2
+            assert [r.address for r in router.replicas] == addresses(servers)
+            await router.close()
+        finally:
+            await slow.stop(0)
+
+    run_with_engines(2, body)

@@ -1,0 +1,1 @@
+"""Developer scripts (`python -m scripts.NAME`)."""
