@@ -19,12 +19,12 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
 
-# torch first, in its own layer: the release pyproject.toml pins, as its CPU build by default
-# (TORCH_VARIANT=cpu: the `+cpu` local version, never CUDA wheels); TORCH_VARIANT="" takes the
-# index's default build (for the gpu profile). pip's settings (index, find-links, constraints,
-# certificate) come from the optional build secret `pipconf`, a pip.conf that is never stored in
-# the image (scripts/compose_check.py passes the host's).
-ARG TORCH_VARIANT=cpu
+# torch first, in its own layer: the release pyproject.toml pins, as the index's default build
+# (TORCH_VARIANT=""), or a local variant of it: TORCH_VARIANT=cpu asks for `+cpu`, the CPU-only
+# wheel, where the configured index or find-links carry it (scripts/compose_check.py does).
+# pip's settings (index, find-links, constraints, certificate) come from the optional build
+# secret `pipconf`, a pip.conf that is never stored in the image.
+ARG TORCH_VARIANT=
 RUN --mount=type=secret,id=pipconf,target=/etc/pip.conf \
     torch="$(sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)" \
     && pip install --no-cache-dir "${torch}${TORCH_VARIANT:++$TORCH_VARIANT}"

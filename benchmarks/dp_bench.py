@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from benchmarks.report import RESULTS_DIR, cpu_info, cpu_line, markdown_table, write_results
+from benchmarks.soak import free_port
 from services.config import SecurityConfig
 from services.grpc_utils import sync_channel
 from services.healthcheck import http_healthy
@@ -150,9 +151,7 @@ def _free(port: int) -> bool:
 def free_port_range(size: int) -> int:
     """A port p with p + PORT_STRIDE * i free for i < size (the launcher's replica ports)."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         if port + PORT_STRIDE * size < 65536 and all(
             _free(port + PORT_STRIDE * i) for i in range(1, size)
         ):

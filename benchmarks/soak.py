@@ -79,7 +79,8 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
     import socket
 
     with socket.socket() as s:
@@ -88,7 +89,7 @@ def _free_port() -> int:
 
 
 def start_server(serve_args: Sequence[str], timeout_s: float = 300) -> Server:
-    port, grpc_port, scheduler_port, worker_port = (_free_port() for _ in range(4))
+    port, grpc_port, scheduler_port, worker_port = (free_port() for _ in range(4))
     token = secrets.token_urlsafe(16)
     argv = [sys.executable, "-m", "tessera", "serve", "--port", str(port),
             "--grpc-port", str(grpc_port), "--scheduler-port", str(scheduler_port),

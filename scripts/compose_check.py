@@ -42,7 +42,7 @@ from typing import Any
 import openai
 
 from benchmarks.report import cpu_info, cpu_line, markdown_table, write_results
-from benchmarks.soak import _free_port as free_port
+from benchmarks.soak import free_port
 from scripts.compose_image import IMAGE, LOCAL_BASE, REPO, build_image, image_exists, image_mb, run
 
 PROJECT = "tessera-check"  # compose project name: never the user's own `tessera` stack
@@ -77,7 +77,7 @@ def missing_tools(podman: str | None, compose: list[str] | None) -> str | None:
     if podman is None:
         return "no container engine: `podman` is not on PATH (apt-get install podman runc)"
     if subprocess.run([podman, "info"], capture_output=True, check=False).returncode != 0:
-        return "podman is installed but `podman info` fails (see /work/shared/containers.md)"
+        return "podman is installed but `podman info` fails (README: podman settings)"
     if not compose or shutil.which(compose[0]) is None:
         return "no compose tool: install podman-compose (in its own venv) or pass --compose"
     return None

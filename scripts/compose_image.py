@@ -79,7 +79,8 @@ def build_image(podman: str, base_image: str | None) -> float:
     """Build IMAGE from the Dockerfile with the host's pip settings; returns the seconds taken."""
     settings, mounts = mount_host_paths(pip_settings())
     volumes = [a for p in mounts for a in ("-v", f"{p}:{HOST_MOUNT}{p}:ro")]  # podman only
-    base = ["--build-arg", f"BASE_IMAGE={base_image}"] if base_image else []
+    base = ["--build-arg", "TORCH_VARIANT=cpu"]  # the CPU wheel the host's install uses
+    base += ["--build-arg", f"BASE_IMAGE={base_image}"] if base_image else []
     with tempfile.TemporaryDirectory() as tmp:
         conf = Path(tmp) / "pip.conf"
         conf.write_text(pip_conf(settings))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
+
+from benchmarks.soak import free_port
+
+__all__ = ["free_port"]  # tests import it from here
 
 
 @pytest.fixture(scope="session")
@@ -14,10 +17,3 @@ def default_model_dir() -> Path:
     from services.default_model import resolve_model
 
     return resolve_model("default")
-
-
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
