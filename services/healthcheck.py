@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import urllib.error
 import urllib.request
 
 from services.grpc_utils import check_health, health_status
@@ -14,6 +15,18 @@ def http_healthy(url: str, timeout_s: float) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
             return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+def http_answers(url: str, timeout_s: float) -> bool:
+    """The server at `url` answers at all, with any status (a gateway answers 503 while its
+    scheduler is down)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True
     except OSError:
         return False
 

@@ -11,7 +11,15 @@ from gateway.options import add_media_args, media_flags
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
-from tessera.launcher import Launcher, Service, grpc_ok, grpc_up, http_ok
+from tessera.launcher import (
+    LIVENESS_TIMEOUT_S,
+    Launcher,
+    Service,
+    grpc_ok,
+    grpc_up,
+    http_ok,
+    http_up,
+)
 from worker_service.cpu_kernels import add_kernel_args
 
 
@@ -115,10 +123,12 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
             *(["--no-prefix-caching"] if args.no_prefix_caching else []),
         ]  # fmt: skip
-        services.append(Service(f"worker{replica.suffix}", worker, grpc_up(worker_addr), env))
-        services.append(
-            Service(f"scheduler{replica.suffix}", scheduler, grpc_ok(scheduler_addr), env)
-        )
+        services += [
+            Service(f"worker{replica.suffix}", worker, grpc_up(worker_addr),
+                    grpc_up(worker_addr, LIVENESS_TIMEOUT_S), env),
+            Service(f"scheduler{replica.suffix}", scheduler, grpc_ok(scheduler_addr),
+                    grpc_up(scheduler_addr, LIVENESS_TIMEOUT_S), env),
+        ]  # fmt: skip
     schedulers = [f"--scheduler=127.0.0.1:{r.scheduler_port}" for r in replicas]
     gateway = [
         py, "-m", "gateway", *schedulers, "--routing", args.routing, "--model", args.model,
@@ -128,11 +138,10 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--drain-timeout", str(args.drain_timeout), *media_flags(args), *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    health = f"http://{probe_host}:{args.port}/health"
     # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
     gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
-    services.append(
-        Service("gateway", gateway, http_ok(f"http://{probe_host}:{args.port}/health"), gateway_env)
-    )
+    services.append(Service("gateway", gateway, http_ok(health), http_up(health), gateway_env))
     return services
 
 

@@ -3,7 +3,8 @@
 Started in dependency order, each gated on its health; their logs are streamed
 with a service prefix. A service that dies on its own is logged and restarted
 after a backoff that doubles with each quick death (1 s up to 30 s) and resets once
-it stayed up a minute. SIGINT/SIGTERM drains the gateway, then stops the scheduler
+it stayed up a minute. A service that hangs is treated as dead: once it has answered its
+health probe, LIVENESS_MISSES probes in a row without an answer get it SIGKILLed. SIGINT/SIGTERM drains the gateway, then stops the scheduler
 and the worker. Children die with the launcher even when it is SIGKILLed (Linux).
 """
 
@@ -23,11 +24,14 @@ from types import FrameType
 from typing import Any
 
 from services.grpc_utils import check_health, health_status
-from services.healthcheck import http_healthy
+from services.healthcheck import http_answers, http_healthy
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # up this long, a service's next death restarts it after BACKOFF_FIRST_S
+LIVENESS_EVERY_S = 5.0  # how often a running service's liveness probe is asked
+LIVENESS_MISSES = 3  # unanswered probes in a row that mean hung
+LIVENESS_TIMEOUT_S = 5.0  # how long one liveness probe waits for an answer
 _PR_SET_PDEATHSIG = 1
 
 
@@ -56,11 +60,14 @@ class Service:
     name: str
     argv: list[str]
     ready: Callable[[], bool]
+    up: Callable[[], bool]  # liveness: the process answers at all (healthy or not)
     env: Mapping[str, str] = field(default_factory=dict)  # added to the launcher's environment
     process: subprocess.Popen[str] | None = None
     started_at: float = 0.0
     backoff_s: float = BACKOFF_FIRST_S
     restart_at: float | None = None  # when a dead service is due to start again
+    answered: bool = False  # its liveness probe has answered since this start
+    misses: int = 0  # liveness probes unanswered in a row
     log_thread: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -76,6 +83,7 @@ class Service:
         )
         self.started_at = time.monotonic()
         self.restart_at = None
+        self.answered, self.misses = False, 0
         self.log_thread = threading.Thread(target=self._pump, daemon=True)
         self.log_thread.start()
 
@@ -92,6 +100,22 @@ class Service:
         """SIGTERM, then SIGKILL after `timeout_s`."""
         if self.process is not None:
             terminate(self.process, timeout_s)
+
+    def check_liveness(self) -> bool:
+        """Ask the liveness probe; SIGKILL the process (the supervisor then restarts it) once it
+        has answered before and now missed LIVENESS_MISSES probes in a row. True if killed."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return False
+        if self.up():
+            self.answered, self.misses = True, 0
+            return False
+        if self.answered:  # still starting up (loading a model) is not hanging
+            self.misses += 1
+        if self.misses < LIVENESS_MISSES or process is not self.process:
+            return False
+        process.kill()
+        return True
 
     def schedule_restart(self, now: float) -> float:
         """Note a death at `now`; returns the delay before the restart."""
@@ -125,10 +149,15 @@ def grpc_ok(address: str) -> Callable[[], bool]:
     return lambda: check_health(address)
 
 
-def grpc_up(address: str) -> Callable[[], bool]:
+def grpc_up(address: str, timeout_s: float = 2.0) -> Callable[[], bool]:
     """A readiness probe: grpc.health.v1 answers, SERVING or not (a worker is NOT_SERVING
     until the scheduler's KV handshake, which needs the worker up first)."""
-    return lambda: health_status(address) is not None
+    return lambda: health_status(address, timeout_s=timeout_s) is not None
+
+
+def http_up(url: str) -> Callable[[], bool]:
+    """A liveness probe: GET url answers within LIVENESS_TIMEOUT_S, with any status."""
+    return lambda: http_answers(url, LIVENESS_TIMEOUT_S)
 
 
 class Launcher:
@@ -148,6 +177,7 @@ class Launcher:
                 if not self._start(service):
                     return 1
             on_ready()
+            threading.Thread(target=self._watch_liveness, daemon=True).start()
             while not self._stop.wait(0.5):
                 self._supervise()
             return 0
@@ -164,6 +194,7 @@ class Launcher:
                 print(f"tessera: {service.name} exited during start-up", file=sys.stderr)
                 return False
             if service.ready():
+                service.answered = True  # a hang from now on counts
                 return True
             time.sleep(0.25)
         if not self._stop.is_set():
@@ -186,6 +217,14 @@ class Launcher:
             elif now >= service.restart_at and not self._stop.is_set():
                 _say(f"restarting {service.name}")
                 service.start()
+
+    def _watch_liveness(self) -> None:
+        """Every LIVENESS_EVERY_S, SIGKILL the services that hang (answered once, then stopped
+        answering); `_supervise` logs the death and restarts them."""
+        while not self._stop.wait(LIVENESS_EVERY_S):
+            for service in self.services:
+                if service.check_liveness():
+                    _say(f"{service.name} stopped answering its health probe; killed it")
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop.set()

@@ -61,3 +61,27 @@ def test_killed_gateway_comes_back_and_stop_leaves_no_orphans() -> None:
     while any(_alive(p) for p in new_pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in new_pids.values())
+
+
+def test_a_hung_scheduler_is_killed_and_restarted() -> None:
+    """SIGSTOP (a hang: the process lives, its health never answers) is caught by the
+    launcher's liveness probe, which SIGKILLs it; the supervisor restarts it."""
+    stack = start_stack()
+    try:
+        assert _answers(stack.base_url)
+        pids = stack.service_pids()
+        os.kill(pids["scheduler_service"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        killed = "tessera: scheduler stopped answering its health probe; killed it"
+        assert stack.wait_for_line(killed, 60), stack.output()[-3000:]
+        assert stack.wait_for_line("tessera: scheduler died (exit code -9); restarting", 5)
+        while not _answers(stack.base_url):
+            assert time.monotonic() - stopped_at < 90, stack.output()[-3000:]
+            time.sleep(0.5)
+        new_pids = stack.service_pids()
+        assert new_pids["scheduler_service"] != pids["scheduler_service"]
+        assert new_pids["worker_service"] == pids["worker_service"]
+        print(f"hung scheduler: answering again {time.monotonic() - stopped_at:.1f}s after SIGSTOP")
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.output()[-3000:]
