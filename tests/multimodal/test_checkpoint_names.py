@@ -45,3 +45,11 @@ def test_idefics3_layout() -> None:
         "connector.modality_projection.proj.weight"
     )
     assert rename("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("model", [LlavaForConditionalGeneration, Idefics3ForConditionalGeneration])
+def test_vision_language_models_refuse_tensor_parallelism(model: type) -> None:
+    from worker_service.parallel import TPGroup
+
+    with pytest.raises(ValueError, match="does not split vision-language models"):
+        model(None, None, TPGroup(rank=0, size=2))

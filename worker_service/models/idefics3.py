@@ -22,11 +22,11 @@ from worker_service.parallel import TPGroup
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     """Idefics3ForConditionalGeneration with a Llama language model (SmolVLM: SmolLM2)."""
 
+    splits_for_tp = False  # its vision tower is not split across ranks
+
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
     ) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError("tensor parallelism does not split vision-language models yet")
         super().__init__(cfg, backend, tp)
         from transformers import Idefics3Config
         from transformers.models.idefics3.modeling_idefics3 import (

@@ -109,9 +109,13 @@ class LlamaForCausalLM(nn.Module):
     Tensor parallel (`tp`): the decoder layers hold this rank's share; the embedding and
     the LM head are replicated (see worker_service.parallel)."""
 
+    splits_for_tp = True  # False: parts no rank splits (a vision tower) refuse tp > 1
+
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
     ) -> None:
+        if tp is not None and tp.size > 1 and not self.splits_for_tp:
+            raise ValueError("tensor parallelism does not split vision-language models yet")
         super().__init__()
         cfg = self.adapt_config(cfg)
         self.config = cfg

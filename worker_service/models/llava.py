@@ -38,11 +38,11 @@ class LlavaProjector(nn.Module):
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     """LlavaForConditionalGeneration with a Llama/Mistral language model."""
 
+    splits_for_tp = False  # its vision tower is not split across ranks
+
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
     ) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError("tensor parallelism does not split vision-language models yet")
         super().__init__(cfg, backend, tp)
         from transformers import AutoConfig, AutoModel
 
