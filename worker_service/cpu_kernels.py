@@ -6,6 +6,10 @@ The default is the fastest path on every CPU class:
   emulates bf16 GEMMs dozens of times slower than float32 on AVX2-only CPUs;
 - decode attention: the C++ paged kernel (GQA folded), whatever the GEMMs.
 
+The flags are only a claim: before choosing native bf16 GEMMs a tiny packed bf16 GEMM is run
+(`probe_bf16_gemm`), and where oneDNN refuses it (a wrong or faked flag read, a CPU it does not
+support) the worker falls back to float32 GEMMs with the reason logged, rather than crashing.
+
 `hf_exact_numerics` trades speed for HF's exact bf16 rounding: HF's own bf16 GEMMs
 (F.linear, unpacked) and its decode attention call (no folding, no C++ kernel). The bf16 parity test turns it on.
 """
@@ -13,6 +17,9 @@ The default is the fastest path on every CPU class:
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +28,8 @@ from services.config import ModelConfig
 # Flags worth naming in logs and benchmark records, in this order.
 NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,17 +85,44 @@ class KernelChoice:
         return f"CPU {cpu.describe()}: {gemm} ({self.reason})"
 
 
-def choose_kernels(config: ModelConfig, cpu: CpuInfo) -> KernelChoice:
-    """The kernels for a bf16 model on `cpu` under `config` (bf16_gemm, hf_exact_numerics)."""
+@functools.cache
+def probe_bf16_gemm() -> str | None:
+    """None when a oneDNN-packed bf16 GEMM runs on this CPU, else oneDNN's refusal."""
+    import torch
+
+    from worker_service.models.layers import linear_onednn, pack_onednn
+
+    try:
+        weight = pack_onednn(torch.ones(16, 16), torch.bfloat16)
+        linear_onednn(torch.ones(2, 16, dtype=torch.bfloat16), weight)
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def choose_kernels(
+    config: ModelConfig, cpu: CpuInfo, probe: Callable[[], str | None] | None = None
+) -> KernelChoice:
+    """The kernels for a bf16 model on `cpu` under `config` (bf16_gemm, hf_exact_numerics).
+
+    Native bf16 GEMMs are chosen only once `probe` (default `probe_bf16_gemm`) saw one run;
+    else float32 GEMMs, with the reason in the choice and the log."""
     if config.hf_exact_numerics:
         return KernelChoice(False, True, "hf_exact_numerics: HF's bf16 kernels, bit for bit")
-    if config.bf16_gemm == "native":
-        return KernelChoice(False, False, "bf16_gemm=native")
     if config.bf16_gemm == "float32":
         return KernelChoice(True, False, "bf16_gemm=float32")
-    if cpu.native_bf16:
-        return KernelChoice(False, False, "auto: the CPU has bf16 instructions")
-    return KernelChoice(True, False, "auto: no AVX512-BF16/AMX, bf16 GEMMs would be emulated")
+    if config.bf16_gemm == "native":
+        wanted = "bf16_gemm=native"
+    elif cpu.native_bf16:
+        wanted = "auto: the CPU has bf16 instructions"
+    else:
+        return KernelChoice(True, False, "auto: no AVX512-BF16/AMX, bf16 GEMMs would be emulated")
+    refusal = (probe or probe_bf16_gemm)()
+    if refusal is None:
+        return KernelChoice(False, False, wanted)
+    reason = f"{wanted}, but oneDNN refused a bf16 GEMM ({refusal}); float32 GEMMs instead"
+    log.warning("CPU kernels: %s", reason)
+    return KernelChoice(True, False, reason)
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
