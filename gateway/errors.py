@@ -3,7 +3,8 @@
 Handlers raise `ApiError` (or a subclass); the app turns it into
 `{"error": {"message", "type", "param", "code"}}` with its HTTP status, the gRPC
 API into the matching status code. Anything else is a bug and becomes a 500
-without details.
+without details. Messages lose the reprs of objects with memory addresses that library
+errors quote (`<_io.BytesIO object at 0x7f...>`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+
+from services.grpc_interceptors import redact_addresses
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503
 
@@ -24,6 +27,7 @@ class ApiError(Exception):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        message = redact_addresses(message)
         super().__init__(message)
         self.message = message
         self.param = param

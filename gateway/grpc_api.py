@@ -1,7 +1,8 @@
 """The public gRPC text API (`tessera.v1.TextGeneration`), sharing the REST generate path.
 
 Requests go through the same option checks (gateway.protocol), chat template,
-admission and `Serving.generate` as REST; `ApiError`s become gRPC statuses
+admission and `Serving.generate` as REST; the size limits (turns, content parts, images,
+stop strings) are counted on the proto before anything is converted; `ApiError`s become gRPC statuses
 (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE...). A client
 that cancels its call cancels the engine request.
 """
@@ -16,7 +17,8 @@ from typing import Any
 from gateway import responses as rs
 from gateway.admission import MessageBudgetInterceptor
 from gateway.errors import ApiError, InvalidRequest
-from gateway.media import prepare_chat_images
+from gateway.limits import check_chat_size, check_stop
+from gateway.media import ImageService, prepare_chat_images
 from gateway.options import TextOptions
 from gateway.protocol import ROLES, ChatMessage, GrpcOptions, parse
 from gateway.serving import GenerateJob, Serving
@@ -42,6 +44,7 @@ def options_dict(params: pb.TextSamplingParams) -> dict[str, Any]:
 
 def text_options(params: pb.TextSamplingParams, priority: int) -> TextOptions:
     """Validated options, with the same checks as the REST API."""
+    _sized("stop", check_stop, params.stop)
     checked = parse(GrpcOptions, options_dict(params))
     return replace(checked.text_options(checked.max_tokens, None), priority=priority)
 
@@ -49,12 +52,38 @@ def text_options(params: pb.TextSamplingParams, priority: int) -> TextOptions:
 def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequest("'messages' must not be empty", "messages")
+    _sized("messages", check_chat_size, len(messages), (len(m.parts) for m in messages))
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidRequest(
                 f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages"
             )
     return [{"role": m.role, "content": _text(m)} for m in messages]
+
+
+def _sized(param: str, check: Any, *args: Any) -> None:
+    """`check(*args)`, a gateway.protocol size check, with its ValueError as InvalidRequest."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param) from None
+
+
+def check_images(
+    messages: Sequence[pb.ChatMessage], service: ImageService | None, model: str
+) -> None:
+    """Refuse more images than the served model takes (none for a text-only model), counted
+    before any image is converted."""
+    count = sum(p.WhichOneof("part") == "image" for m in messages for p in m.parts)
+    if count and service is None:
+        raise InvalidRequest(
+            f"'{model}' is a text-only model; image content parts are not supported", "messages"
+        )
+    if service is not None and count > service.limits.max_images:
+        raise InvalidRequest(
+            f"{count} images in one prompt, over the limit of {service.limits.max_images}",
+            "messages",
+        )
 
 
 def _text(message: pb.ChatMessage) -> str:
@@ -148,6 +177,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         options = text_options(request.params, request.priority)
         job = GenerateJob(rs.new_id("chatcmpl"), [], options)
         turns = chat_messages(request.messages)
+        check_images(request.messages, self.serving.images, card.name)
         with_images = image_messages(request.messages)
         try:
             if with_images is not None:

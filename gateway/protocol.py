@@ -13,16 +13,23 @@ import re
 from collections import Counter
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gateway.constraints import GuidedFields
 from gateway.errors import InvalidRequest
+from gateway.limits import chat_size, stop_size
 from gateway.options import TextOptions
 from gateway.strict import Strict
 from services.types import MAX_LOGPROBS
 
 MAX_N = 64  # choices per request
-MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 64  # prompts in one completions request
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -49,7 +56,7 @@ class SamplingFields(GuidedFields):
     min_p: float | None = Field(None, ge=0, le=1)
     n: int | None = Field(None, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: Annotated[str | list[str] | None, BeforeValidator(stop_size)] = None
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
@@ -194,7 +201,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], BeforeValidator(chat_size)] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
     logprobs: bool | None = None
@@ -270,7 +277,9 @@ class TokenizeRequest(Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: Annotated[list[ChatMessage] | None, BeforeValidator(chat_size)] = Field(
+        None, min_length=1
+    )
     add_special_tokens: bool | None = None
 
     @model_validator(mode="after")
@@ -308,6 +317,8 @@ def invalid_request(exc: ValidationError) -> InvalidRequest:
     if not path:  # a cross-field check names its field first: "'top_logprobs' requires..."
         named = re.match(r"'([\w.\[\]]+)'", message)
         return InvalidRequest(message, named.group(1) if named else None)
+    if message.startswith(f"'{path}' "):  # a field check that names its field itself
+        return InvalidRequest(message, path)
     return InvalidRequest(f"'{path}' {message}", path)
 
 

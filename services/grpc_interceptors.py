@@ -1,15 +1,18 @@
 """The interceptors of Tessera's gRPC servers and channels (services.grpc_utils builds them in).
 
-Server side: exceptions escaping a handler become statuses with their message, and a
-server with a token refuses calls without `authorization: Bearer <token>` (UNAUTHENTICATED;
-health and reflection stay open). Client side: channels with a token send that header on
-every call, asyncio or blocking.
+Server side: a request that does not parse gets INVALID_ARGUMENT naming only its message
+type, exceptions escaping a handler become statuses with their message (object addresses
+redacted), and a server with a token refuses calls without `authorization: Bearer <token>`
+(UNAUTHENTICATED; health and reflection stay open). Client side: channels with a token send
+that header on every call, asyncio or blocking.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
@@ -32,6 +35,15 @@ _STATUS_BY_EXCEPTION: list[tuple[type[BaseException], grpc.StatusCode]] = [
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
+# `<_io.BytesIO object at 0x7f...>` and the like: the repr of an object, with its address.
+_OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
+
+
+def redact_addresses(text: str) -> str:
+    """`text` without the reprs of objects that give a memory address."""
+    return _OBJECT_REPR.sub("", text)
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status an exception maps to (INTERNAL when nothing more specific fits)."""
     for exc_type, code in _STATUS_BY_EXCEPTION:
@@ -51,6 +63,8 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
+        if not handler.request_streaming and handler.request_deserializer is not None:
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         if handler.unary_unary:
             return handler._replace(unary_unary=_guard_unary(handler.unary_unary, details.method))
         for kind in ("unary_stream", "stream_stream"):  # async generators, guarded alike
@@ -98,8 +112,38 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 _HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """What a guarded handler receives in place of a request that did not parse."""
+
+    type_name: str  # the expected message type, e.g. "tessera.v1.ChatRequest"
+
+
+def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`parse`, returning an Undecodable instead of raising (grpc would report UNKNOWN with
+    the exception's class and text)."""
+    descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+    type_name = str(getattr(descriptor, "full_name", "message"))
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception:
+            return Undecodable(type_name)
+
+    return deserialize
+
+
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {request.type_name}"
+        )
+
+
 def _guard_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _refuse_undecodable(request, context)
         try:
             return await fn(request, context)
         except Exception as exc:
@@ -110,6 +154,7 @@ def _guard_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[...
 
 def _guard_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _refuse_undecodable(request, context)
         try:
             async for item in fn(request, context):
                 yield item
@@ -125,9 +170,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
-    await context.abort(
-        code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc)
-    )
+    text = f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc)
+    await context.abort(code, redact_addresses(text))
 
 
 def server_interceptors(
