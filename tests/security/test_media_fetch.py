@@ -316,7 +316,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     names: list[str] = []
-    context.sni_callback = lambda sock, name, ctx: names.append(str(name))  # type: ignore[assignment]
+    context.sni_callback = lambda sock, name, ctx: names.append(str(name))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
     server.socket = context.wrap_socket(server.socket, server_side=True)
     for port in _serve(server):
@@ -337,3 +337,27 @@ def test_https_keeps_sni_and_checks_the_certificate_name(
     untrusted = MediaFetcher(("test",), LOOPBACK, resolver=dns)  # the system CAs only
     with pytest.raises(InvalidRequest, match="cannot fetch the image"):
         fetch(untrusted, f"https://images.test:{port}/cat.png")
+
+
+def test_media_flags_reach_the_gateway_config() -> None:
+    import argparse
+
+    from gateway.__main__ import config_from_args, parse_args
+    from services.config import GatewayConfig
+    from tessera.cli import _serve_parser, build_services
+
+    flags = ["--max-image-aspect-ratio", "50", "--allowed-media-networks", "10.0.0.0/8", "::1"]
+    flags += ["--allowed-media-domains", "example.com", "--media-fetch-timeout", "3"]
+    config = config_from_args(parse_args(flags))
+    assert config.max_image_aspect_ratio == 50 and config.media_fetch_timeout_s == 3
+    assert config.allowed_media_networks == ("10.0.0.0/8", "::1")
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers())
+    gateway_argv = build_services(parser.parse_args(["serve", *flags]), "token")[-1].argv
+    served = config_from_args(parse_args(gateway_argv[3:]))  # `tessera serve` passes them on
+    assert served.max_image_aspect_ratio == 50 and served.media_fetch_timeout_s == 3
+    assert served.allowed_media_networks == ("10.0.0.0/8", "::1")
+    with pytest.raises(ValueError, match="not a CIDR"):
+        GatewayConfig(allowed_media_networks=("example.com",))
+    with pytest.raises(ValueError, match="aspect"):
+        GatewayConfig(max_image_aspect_ratio=0.5)
