@@ -91,6 +91,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_image_pixels=args.max_image_pixels,
         allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains),
         media_fetch_timeout_s=args.media_fetch_timeout,
+        max_image_aspect_ratio=args.max_image_aspect_ratio,
+        allowed_media_networks=tuple(args.allowed_media_networks),
         image_transport=args.image_transport,
     )
 

@@ -2,22 +2,24 @@
 model's processor, export the pixels as tensor handles (shm when the worker shares this
 host, inline bytes otherwise).
 
-Remote http(s) URLs are refused unless their host is in `allowed_media_domains` (or a
-subdomain of one); fetching has a timeout and a byte cap, and follows no redirects.
+Remote http(s) URLs go through a `MediaFetcher` (gateway.fetch): refused unless their host
+is in `allowed_media_domains` and resolves to public addresses only, one deadline for the
+whole fetch, a byte cap, no redirects. Every image's size is checked from its header,
+against the caps and the processor's planned resize, before it is decoded.
 """
 
 from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from PIL import Image
 
 from gateway.errors import InvalidRequest
+from gateway.fetch import MediaFetcher
 from gateway.multimodal import (
     ImageLimits,
     MultiModalProcessor,
@@ -38,9 +40,8 @@ class ImageService:
     """The served VLM's processor plus the gateway's media rules."""
 
     processor: MultiModalProcessor
-    limits: ImageLimits
-    allowed_domains: tuple[str, ...] = ()  # empty: no remote fetching
-    fetch_timeout_s: float = 10.0
+    limits: ImageLimits  # with the processor's resize rule
+    fetcher: MediaFetcher = field(default_factory=MediaFetcher)  # default: no remote URLs
     transport: str = "auto"  # "auto", "shm" or "inline" (GatewayConfig.image_transport)
 
     @classmethod
@@ -50,15 +51,19 @@ class ImageService:
         if processor is None:
             return None
         limits = ImageLimits(
-            config.max_image_bytes, config.max_image_pixels, config.limit_images_per_prompt
+            config.max_image_bytes,
+            config.max_image_pixels,
+            config.limit_images_per_prompt,
+            config.max_image_aspect_ratio,
+            processor.resize_rule,
         )
-        return cls(
-            processor,
-            limits,
+        fetcher = MediaFetcher(
             config.allowed_media_domains,
+            config.allowed_media_networks,
             config.media_fetch_timeout_s,
-            config.image_transport,
+            config.max_image_bytes,
         )
+        return cls(processor, limits, fetcher, config.image_transport)
 
     async def prepare_chat(
         self,
@@ -77,7 +82,7 @@ class ImageService:
         images = [await self._load(url, tokenizer) for url in urls]
         text = await tokenizer.run(tokenizer.render_chat, _with_image_parts(messages, turns))
         mode = self._mode(worker_host_id)
-        return await tokenizer.run(self.processor.prepare, text, images, mode, False)
+        return await tokenizer.run(self.processor.prepare, text, images, mode, False, self.limits)
 
     def _mode(self, worker_host_id: str) -> ExportMode:
         from services.tensor_handles import host_id
@@ -92,33 +97,8 @@ class ImageService:
             return await tokenizer.run(decode_data_url, url, self.limits)
         if scheme not in ("http", "https"):
             raise InvalidRequest("image_url must be a data: or http(s) URL", "messages")
-        data = await self._fetch(url)
+        data = await self.fetcher.fetch(url)
         return await tokenizer.run(decode_image, data, self.limits)
-
-    async def _fetch(self, url: str) -> bytes:
-        host = (urllib.parse.urlsplit(url).hostname or "").lower()
-        if not any(host == d or host.endswith("." + d) for d in self.allowed_domains):
-            raise InvalidRequest(
-                "remote image URLs are off"
-                if not self.allowed_domains
-                else f"image host {host!r} is not in --allowed-media-domains",
-                "messages",
-            )
-        try:
-            async with (
-                httpx.AsyncClient(timeout=self.fetch_timeout_s, follow_redirects=False) as client,
-                client.stream("GET", url) as response,
-            ):
-                if response.status_code != 200:
-                    raise InvalidRequest(f"fetching the image gave HTTP {response.status_code}")
-                data = bytearray()
-                async for chunk in response.aiter_bytes():
-                    data += chunk
-                    if len(data) > self.limits.max_bytes:
-                        raise InvalidRequest(f"image is over the {self.limits.max_bytes}-byte cap")
-                return bytes(data)
-        except httpx.HTTPError as exc:
-            raise InvalidRequest(f"cannot fetch the image: {type(exc).__name__}") from None
 
 
 async def prepare_chat_images(

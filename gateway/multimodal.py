@@ -6,8 +6,9 @@ the pixel values; each image becomes a `MultiModalInput` (placeholder offset and
 a content hash of the image, a TensorHandle to its pixels). Whoever exports the handles
 owns them and closes them when the request ends (`PreparedImages.close`).
 
-Images arrive as `data:` URLs (base64 PNG/JPEG/WebP) checked against byte and pixel caps
-before and while decoding; anything wrong is an InvalidRequest (400).
+Images arrive as `data:` URLs (base64 PNG/JPEG/WebP) checked against byte, pixel and
+aspect-ratio caps, and against the size the processor would resize them to, from the
+header before anything is decoded; anything wrong is an InvalidRequest (400).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import hashlib
 import io
 import itertools
 import json
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +38,88 @@ if TYPE_CHECKING:  # torch comes in with the first image, so text-only gateways 
     from services.tensor_handles import ExportedTensor, ExportMode
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+log = logging.getLogger(__name__)
+
+
+MAX_ASPECT_RATIO = 200.0  # longest side / shortest side (--max-image-aspect-ratio)
+MAX_PLANNED_PIXELS = 4096 * 4096  # the processor's resized image (48 MiB as RGB bytes)
+
+
+@dataclass(frozen=True)
+class ResizeRule:
+    """How a model's image processor resizes an image before cropping or tiling it, read from
+    its config: a bound on the pixels the processor will allocate for an image of a given
+    size. HF resizes keep the aspect ratio, so a shortest-edge resize of a 400000x1 image
+    asks for 32x12,800,000 pixels; the gateway refuses such an image before decoding it.
+    Unknown rules plan the image's own size (an over-estimate refuses, never allocates)."""
+
+    height: int = 0  # a fixed output size (size={"height", "width"})
+    width: int = 0
+    shortest_edge: int = 0  # scale the short side to this (LLaVA / CLIP) ...
+    longest_edge: int = 0  # ... and/or the long side to at most this (Idefics3)
+    max_height: int = 0  # fit inside max_height x max_width
+    max_width: int = 0
+    max_pixels: int = 0  # a pixel budget (Qwen2-VL's smart resize)
+    tile: int = 0  # sides round up to multiples of this, plus one global tile (Idefics3)
+    resizes: bool = True  # False: do_resize is off, the processor keeps the image's size
+
+    @classmethod
+    def of(cls, image_processor: Any) -> ResizeRule:
+        """The rule of an HF image processor (its `size`, `max_image_size`, `do_resize`)."""
+        size = _entries(getattr(image_processor, "size", None))
+        tile = 0
+        if getattr(image_processor, "do_image_splitting", False):
+            tile = _entries(getattr(image_processor, "max_image_size", None)).get("longest_edge", 0)
+        if hasattr(image_processor, "temporal_patch_size"):  # Qwen2-VL family: edges are pixels
+            budget = int(getattr(image_processor, "max_pixels", 0) or size.get("longest_edge", 0))
+            return cls(max_pixels=budget, resizes=bool(budget))
+        return cls(
+            size.get("height", 0), size.get("width", 0), size.get("shortest_edge", 0),
+            size.get("longest_edge", 0), size.get("max_height", 0), size.get("max_width", 0),
+            size.get("max_pixels", 0), tile, bool(getattr(image_processor, "do_resize", True)),
+        )  # fmt: skip
+
+    @property
+    def known(self) -> bool:
+        """Whether the rule bounds the output (else only the caps on the input apply)."""
+        fields = (self.height and self.width, self.shortest_edge, self.longest_edge)
+        return not self.resizes or any(fields) or bool(self.max_pixels or self.max_height)
+
+    def planned_pixels(self, width: int, height: int) -> int:
+        """Pixels of the image the processor makes of a `width` x `height` one (at most)."""
+        w, h = float(width), float(height)
+        if not self.resizes:
+            pass
+        elif self.max_pixels:
+            return self.max_pixels
+        elif self.height and self.width:
+            w, h = float(self.width), float(self.height)
+        else:
+            if self.shortest_edge:
+                w, h = _scaled(w, h, self.shortest_edge / min(w, h))
+            if self.longest_edge and (not self.shortest_edge or max(w, h) > self.longest_edge):
+                w, h = _scaled(w, h, self.longest_edge / max(w, h))
+            if self.max_height and self.max_width:
+                w, h = _scaled(w, h, min(self.max_height / h, self.max_width / w))
+        if self.tile:
+            w, h = math.ceil(w / self.tile) * self.tile, math.ceil(h / self.tile) * self.tile
+        return math.ceil(w) * math.ceil(h) + self.tile**2
+
+
+def _scaled(w: float, h: float, scale: float) -> tuple[float, float]:
+    return max(1.0, w * scale), max(1.0, h * scale)
+
+
+def _entries(size: Any) -> dict[str, int]:
+    """An HF size (SizeDict, dict or a bare int meaning the shortest edge) -> its set int
+    entries."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return {"shortest_edge": size}
+    try:
+        items = dict(size or {})
+    except (TypeError, ValueError):
+        return {}
+    return {k: int(v) for k, v in items.items() if isinstance(v, int) and v > 0}
 
 
 @dataclass(frozen=True)
@@ -44,10 +129,34 @@ class ImageLimits:
     max_bytes: int = 20 * 2**20  # encoded size, after base64 decoding
     max_pixels: int = 4096 * 4096  # width * height, checked before decoding the pixels
     max_images: int = 8  # images in one prompt (--limit-images-per-prompt)
+    max_aspect_ratio: float = MAX_ASPECT_RATIO  # longest side / shortest side
+    resize: ResizeRule | None = None  # the model's processor: its planned size is bounded too
+    max_planned_pixels: int = MAX_PLANNED_PIXELS  # of the image `resize` plans
 
     def __post_init__(self) -> None:
-        if min(self.max_bytes, self.max_pixels, self.max_images) < 1:
+        if min(self.max_bytes, self.max_pixels, self.max_images, self.max_planned_pixels) < 1:
             raise ValueError("image limits must be positive")
+        if self.max_aspect_ratio < 1:
+            raise ValueError("max_aspect_ratio must be >= 1")
+
+    def check_size(self, width: int, height: int) -> None:
+        """InvalidRequest unless a `width` x `height` image is within every cap; called with
+        the header's size, before anything is decoded or resized."""
+        if width * height > self.max_pixels:
+            raise InvalidRequest(
+                f"image is {width}x{height} pixels, over the {self.max_pixels} pixel limit"
+            )
+        if max(width, height) > self.max_aspect_ratio * max(min(width, height), 1):
+            raise InvalidRequest(
+                f"image is {width}x{height} pixels, an aspect ratio over the "
+                f"{self.max_aspect_ratio:g}:1 limit"
+            )
+        planned = self.resize.planned_pixels(width, height) if self.resize else 0
+        if planned > self.max_planned_pixels:
+            raise InvalidRequest(
+                f"image is {width}x{height} pixels; the model's processor would resize it to "
+                f"{planned} pixels, over the {self.max_planned_pixels} pixel limit"
+            )
 
 
 def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
@@ -55,12 +164,8 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
     if len(data) > limits.max_bytes:
         raise InvalidRequest(f"image is {len(data)} bytes, over the {limits.max_bytes} limit")
     try:
-        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-        width, height = image.size
-        if width * height > limits.max_pixels:
-            raise InvalidRequest(
-                f"image is {width}x{height} pixels, over the {limits.max_pixels} pixel limit"
-            )
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
+        limits.check_size(*image.size)
         return image.convert("RGB")
     except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as exc:
         if isinstance(exc, InvalidRequest):
@@ -110,6 +215,14 @@ class MultiModalProcessor:
         self.hf = hf_processor
         self.image_token = image_token  # the placeholder text the processor expands
         self.image_token_id = image_token_id
+        image_processor = getattr(hf_processor, "image_processor", None)
+        self.resize_rule = ResizeRule.of(image_processor)
+        if not self.resize_rule.known:
+            log.warning(
+                "cannot read how %s resizes images; only the pixel and aspect-ratio caps "
+                "bound what it allocates",
+                type(image_processor).__name__,
+            )
 
     @classmethod
     def load(cls, model_dir: Path) -> MultiModalProcessor | None:
@@ -132,13 +245,19 @@ class MultiModalProcessor:
         images: Sequence[Image.Image],
         mode: ExportMode = "shm",
         add_special_tokens: bool = True,
+        limits: ImageLimits | None = None,
     ) -> PreparedImages:
-        """Expand `text` (one image placeholder per image) and export each image's pixels."""
+        """Expand `text` (one image placeholder per image) and export each image's pixels;
+        each image's size is checked against `limits` (default caps and this processor's
+        resize rule) before the processor runs."""
         if text.count(self.image_token) != len(images):
             raise InvalidRequest(
                 f"the prompt has {text.count(self.image_token)} image placeholders "
                 f"({self.image_token}) but {len(images)} images"
             )
+        limits = limits or ImageLimits(resize=self.resize_rule)
+        for image in images:
+            limits.check_size(*image.size)
         if not images:
             plain = self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
             return PreparedImages(list(plain))

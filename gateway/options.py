@@ -100,7 +100,23 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
         help="hosts http(s) image URLs may come from (none: remote URLs refused)",
     )
     p.add_argument(
-        "--media-fetch-timeout", type=float, default=10.0, help="seconds per remote image"
+        "--media-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one remote image may take in all (resolve, connect, body)",
+    )
+    p.add_argument(
+        "--max-image-aspect-ratio",
+        type=float,
+        default=200.0,
+        help="longest / shortest side an image may have (200: 200:1); more gets 400",
+    )
+    p.add_argument(
+        "--allowed-media-networks",
+        nargs="*",
+        default=[],
+        help="CIDRs image hosts may resolve into though not global (loopback, private, "
+        "link-local); none: only global addresses are fetched",
     )
     p.add_argument(
         "--image-transport",
@@ -117,8 +133,11 @@ def media_flags(args: argparse.Namespace) -> list[str]:
         "--max-image-bytes", str(args.max_image_bytes),
         "--max-image-pixels", str(args.max_image_pixels),
         "--media-fetch-timeout", str(args.media_fetch_timeout),
+        "--max-image-aspect-ratio", str(args.max_image_aspect_ratio),
         "--image-transport", args.image_transport,
     ]  # fmt: skip
     if args.allowed_media_domains:
         flags += ["--allowed-media-domains", *args.allowed_media_domains]
+    if args.allowed_media_networks:
+        flags += ["--allowed-media-networks", *args.allowed_media_networks]
     return flags

@@ -6,6 +6,7 @@ line and passes them down whole. Nothing here reads the environment.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,6 +37,15 @@ def parse_bytes(text: str | int) -> int:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _is_network(text: str) -> bool:
+    """Whether `text` is an IP network such as 10.0.0.0/8 or fd00::/8 (or one address)."""
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -226,8 +236,14 @@ class GatewayConfig:
     max_image_pixels: int = 4096 * 4096
     # Hosts http(s) image URLs may come from (and their subdomains); empty: remote URLs off.
     allowed_media_domains: tuple[str, ...] = ()
-    # Seconds one remote image fetch may take.
+    # Seconds one remote image fetch may take in all: resolving, connecting and the body.
     media_fetch_timeout_s: float = 10.0
+    # Longest side / shortest side an image may have; past it 400 (HF processors keep the
+    # aspect ratio when resizing, so a 400000x1 image would cost gigabytes).
+    max_image_aspect_ratio: float = 200.0
+    # Networks (CIDR) remote image hosts may resolve into although they are loopback,
+    # private, link-local or otherwise not global; empty: only global unicast addresses.
+    allowed_media_networks: tuple[str, ...] = ()
     # How pixels reach the worker: "auto" (shm when the worker reports this host, else
     # inline bytes), or always "shm" / "inline" (benchmarks, unusual deployments).
     image_transport: Literal["auto", "shm", "inline"] = "auto"
@@ -250,6 +266,9 @@ class GatewayConfig:
         _require(self.limit_images_per_prompt >= 1, "limit_images_per_prompt must be >= 1")
         _require(min(self.max_image_bytes, self.max_image_pixels) >= 1, "image caps must be >= 1")
         _require(self.media_fetch_timeout_s > 0, "media_fetch_timeout_s must be > 0")
+        _require(self.max_image_aspect_ratio >= 1, "max_image_aspect_ratio must be >= 1")
+        for network in self.allowed_media_networks:
+            _require(_is_network(network), f"allowed_media_networks: {network!r} is not a CIDR")
         _require(self.image_transport in ("auto", "shm", "inline"), "unknown image_transport")
 
 

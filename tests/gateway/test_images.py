@@ -69,6 +69,7 @@ def vlm_stack(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path)
         max_image_bytes=64 * 1024,
         max_image_pixels=100 * 100,
         allowed_media_domains=("127.0.0.1",),
+        allowed_media_networks=("127.0.0.0/8",),  # the image server is on loopback
     )
     yield stack
     stack.stop()
@@ -129,6 +130,23 @@ def test_allowed_remote_url_is_fetched(
     assert item.content_hash == image_hash(sample_image(9))
 
 
+def test_image_host_resolving_inward_gives_400(vlm: httpx.Client, vlm_stack: Stack) -> None:
+    from gateway.fetch import MediaFetcher
+
+    async def metadata_dns(host: str, port: int) -> list[str]:
+        return ["169.254.169.254"]  # a rebinding name pointing at the cloud metadata address
+
+    images = vlm_stack.gateway.serving.images
+    assert images is not None
+    saved, images.fetcher = images.fetcher, MediaFetcher(("test",), resolver=metadata_dns)
+    try:
+        r = vlm.post(CHAT, json=image_chat("http://metadata.test/latest/meta-data"))
+    finally:
+        images.fetcher = saved
+    assert r.status_code == 400 and "public addresses" in r.json()["error"]["message"]
+    assert vlm_stack.engine.requests == []
+
+
 BAD_CASES: list[tuple[str, Any, str]] = [
     ("bad-base64", lambda: image_chat("data:image/png;base64,@@not base64@@"), "base64"),
     ("not-an-image", lambda: image_chat(data_url(b"just some text, not a PNG")), "image"),
@@ -146,6 +164,16 @@ BAD_CASES: list[tuple[str, Any, str]] = [
         "too-many-images",
         lambda: image_chat(*[data_url(png_bytes(sample_image(s))) for s in (1, 2, 3)]),
         "limit of 2",
+    ),
+    (
+        "too-wide",
+        lambda: image_chat(data_url(png_bytes(Image.new("RGB", (9000, 1), "red")))),
+        "aspect ratio over the 200:1",
+    ),
+    (
+        "too-tall",
+        lambda: image_chat(data_url(png_bytes(Image.new("L", (1, 9000))))),
+        "aspect ratio over the 200:1",
     ),
     ("host-not-allowed", lambda: image_chat("http://example.invalid/cat.png"), "allowed"),
     ("not-http", lambda: image_chat("file:///etc/passwd"), "data: or http"),
@@ -188,9 +216,9 @@ def test_remote_urls_off_by_default(default_model_dir: Path, tmp_path: Path) -> 
 
     model_dir = build_tiny_llava(tmp_path / "llava", default_model_dir)
     service = ImageService.load(GatewayConfig(model=str(model_dir)), model_dir)
-    assert service is not None and service.allowed_domains == ()
+    assert service is not None and service.fetcher.allowed_domains == ()
     with pytest.raises(InvalidRequest, match="remote image URLs are off"):
-        asyncio.run(service._fetch("http://127.0.0.1:1/cat.png"))
+        asyncio.run(service.fetcher.fetch("http://127.0.0.1:1/cat.png"))
     assert service._mode(host_id()) == "shm" and service._mode("elsewhere/boot") == "inline"
     inline = ImageService.load(
         GatewayConfig(model=str(model_dir), image_transport="inline"), model_dir
