@@ -90,7 +90,7 @@ def encode_step(
     values = {"input_ids": input_ids, "positions": positions}
     values.update({f.name: getattr(meta, f.name) for f in fields(meta)})
     described: dict[str, Any] = {}
-    chunks: list[torch.Tensor] = []
+    chunks: list[bytes] = []
     offset = 0
     for name, kind in STEP_FIELDS.items():
         value = values[name]
@@ -100,11 +100,13 @@ def encode_step(
         data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         dtype = str(value.dtype).removeprefix("torch.")
         described[name] = {"dtype": dtype, "shape": list(value.shape), "offset": offset}
-        chunks.append(data)
+        chunks.append(data.numpy().tobytes())
         offset += data.numel()
     text = json.dumps(described, separators=(",", ":")).encode()
-    head = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    return len(text), torch.cat([head, *chunks])
+    # joined as bytes: torch.cat of uint8 runs on the intra-op pool (4.6 ms vs 38 us for
+    # a 256-request step on a busy 2-core host)
+    payload = bytearray(b"".join([text, *chunks]))
+    return len(text), torch.frombuffer(payload, dtype=torch.uint8)
 
 
 def decode_step(
@@ -112,20 +114,23 @@ def decode_step(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, meta) from a step payload; ProtocolError unless it is exactly
     the fields encode_step writes, each of its kind, within the payload."""
+    buffer = bytearray(payload.numpy().data)  # one copy; the tensors view it
     try:
-        described = json.loads(bytes(payload[:text_len].numpy()))
+        described = json.loads(buffer[:text_len])
     except (UnicodeDecodeError, ValueError):
         raise ProtocolError("step description is not JSON") from None
     if not isinstance(described, dict) or set(described) != set(STEP_FIELDS):
         got = sorted(described) if isinstance(described, dict) else type(described).__name__
         raise ProtocolError(f"step fields {got} are not {sorted(STEP_FIELDS)}")
-    data = payload[text_len:]
-    values = {name: _field(name, STEP_FIELDS[name], described[name], data) for name in described}
+    values = {
+        name: _field(name, STEP_FIELDS[name], described[name], buffer, text_len)
+        for name in described
+    }
     ids, positions = values.pop("input_ids"), values.pop("positions")
     return ids, positions, AttentionMetadata(**values)
 
 
-def _field(name: str, kind: str, value: Any, data: torch.Tensor) -> Any:
+def _field(name: str, kind: str, value: Any, buffer: bytearray, start: int) -> Any:
     if kind == "int":
         if type(value) is not int:
             raise ProtocolError(f"step field {name} must be an int")
@@ -134,10 +139,11 @@ def _field(name: str, kind: str, value: Any, data: torch.Tensor) -> Any:
         if not isinstance(value, list) or any(type(v) is not int for v in value):
             raise ProtocolError(f"step field {name} must be a list of ints")
         return value
-    return _tensor(name, value, data)
+    return _tensor(name, value, buffer, start)
 
 
-def _tensor(name: str, spec: Any, data: torch.Tensor) -> torch.Tensor:
+def _tensor(name: str, spec: Any, buffer: bytearray, start: int) -> torch.Tensor:
+    """The tensor `spec` describes, viewing its bytes at start + offset in `buffer`."""
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "offset"}:
         raise ProtocolError(f"step field {name}: a tensor needs dtype, shape and offset")
     dtype, shape, offset = DTYPES.get(spec["dtype"]), spec["shape"], spec["offset"]
@@ -145,10 +151,14 @@ def _tensor(name: str, spec: Any, data: torch.Tensor) -> torch.Tensor:
         raise ProtocolError(f"step field {name}: unsupported dtype {spec['dtype']!r}")
     if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
         raise ProtocolError(f"step field {name}: bad shape {shape!r}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if type(offset) is not int or offset < 0 or offset + nbytes > data.numel():
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if type(offset) is not int or offset < 0 or start + offset + nbytes > len(buffer):
         raise ProtocolError(f"step field {name}: {nbytes} bytes at {offset} overrun the payload")
-    return data[offset : offset + nbytes].clone().view(dtype).reshape(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=start + offset)
+    return flat.reshape(shape)
 
 
 # ------------------------------------------------------- the config of a started rank
