@@ -156,8 +156,9 @@ class ParallelConfig:
 
     # Ranks the model is split over (heads and MLP columns); 1 means no split.
     tensor_parallel_size: int = 1
-    # torch.distributed init method; empty: env:// when MASTER_ADDR/MASTER_PORT are set,
-    # else tcp://127.0.0.1:<a free port> chosen by rank 0.
+    # Where ranks started by hand (spawn_ranks off) meet: tcp://HOST:PORT, a store rank 0
+    # serves there behind the internal token; empty: MASTER_ADDR/MASTER_PORT. Ranks rank 0
+    # starts itself meet through a private file instead, so this must then stay empty.
     init_method: str = ""
     # Rank 0 starts ranks 1..N-1 as local processes; off when they run elsewhere.
     spawn_ranks: bool = True

@@ -8,7 +8,7 @@ import logging
 import signal
 
 from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, parse_bytes
-from services.grpc_utils import set_internal_security
+from services.grpc_utils import internal_security, set_internal_security
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
 from worker_service.cpu_kernels import add_kernel_args
@@ -59,8 +59,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp-init-method",
         default="",
-        help="torch.distributed init method of the ranks, e.g. tcp://HOST:PORT "
-        "(default: env:// when MASTER_ADDR/MASTER_PORT are set, else a free local port)",
+        help="where ranks started by hand meet (with --tp-no-spawn on rank 0, and on ranks "
+        "R > 0): tcp://HOST:PORT, served by rank 0 behind the internal token (default: "
+        "MASTER_ADDR/MASTER_PORT); ranks rank 0 starts itself meet through a private file",
     )
     p.add_argument(
         "--tp-rank",
@@ -105,6 +106,19 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
+def run_rank_by_hand(config: WorkerConfig, rank: int) -> None:
+    """Rank R > 0 on its own: join rank 0's token-guarded rendezvous and follow it."""
+    from worker_service.parallel import RemoteRendezvous, resolve_init_method
+    from worker_service.rendezvous import require_token
+    from worker_service.tp_worker import run_rank
+
+    if rank >= config.parallel.tensor_parallel_size:
+        raise ValueError("--tp-rank must be below --tensor-parallel-size")
+    require_token(internal_security())
+    how = RemoteRendezvous(resolve_init_method(config.parallel.init_method), internal_security())
+    run_rank(config, rank, how)
+
+
 def _set_soon(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
     loop.call_soon_threadsafe(event.set)
 
@@ -135,14 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         config = build_config(args)
         set_internal_security(security_from_args(args))
         if args.tp_rank > 0:  # a rank started by hand: no gRPC service, follow rank 0
-            from worker_service.parallel import resolve_init_method
-            from worker_service.tp_worker import run_rank
-
-            if args.tp_rank >= args.tensor_parallel_size:
-                raise ValueError("--tp-rank must be below --tensor-parallel-size")
-            if not (args.tp_init_method or resolve_init_method("") == "env://"):
-                raise ValueError("--tp-rank > 0 needs --tp-init-method or MASTER_ADDR/PORT")
-            run_rank(config, args.tp_rank, resolve_init_method(args.tp_init_method))
+            run_rank_by_hand(config, args.tp_rank)
             return
         asyncio.run(serve(config, f"{args.host}:{args.port}"))
     except (ValueError, FileNotFoundError, OSError) as exc:

@@ -10,12 +10,21 @@ Design (after vLLM's linear layers, in a smaller form):
   forward executors with no per-sampling collective. "Layer weights" (the decoder layers,
   most of the model) are what is split.
 - Rank 0 is the worker the scheduler talks to. For each command (memory handshake, cache
-  allocation, a step's prepared inputs, stop) it broadcasts a small pickled message over a
-  CPU (gloo) group; every rank then does the same work with its own weights and KV pool.
-- Ranks 1..N-1 are local processes started by rank 0 (`spawn_ranks`), or processes started
-  by hand elsewhere (`python -m worker_service --tp-rank R`) that join the same init method
-  (`tcp://host:port`, or `env://` from MASTER_ADDR / MASTER_PORT). A rank whose parent or
+  allocation, a step's prepared inputs, stop) it broadcasts a typed int64 header, and for a
+  step one uint8 payload of tensors with a JSON description (worker_service.tp_messages),
+  over a CPU (gloo) group; no Python objects cross ranks. Every rank then does the same work with
+  its own weights and KV pool.
+- Ranks 1..N-1 are local processes started by rank 0 (`spawn_ranks`: they meet through a
+  private file, and gloo/NCCL sockets stay on loopback), or processes started by hand
+  elsewhere (`python -m worker_service --tp-rank R --tp-init-method tcp://HOST:PORT`, or
+  MASTER_ADDR / MASTER_PORT) that meet at rank 0's authenticated store on HOST:PORT
+  (worker_service.rendezvous; the internal token is required). A rank whose parent or
   peer dies exits; rank 0 exits when a rank it started dies.
+
+Multi-host threat model: the rendezvous needs the token, but gloo's (and NCCL's) data
+sockets, on ports the OS picks on every rank, carry no authentication. Firewall them so
+that only the TP hosts reach each other; a peer that gets in can at worst send wrong
+numbers or stall the group (nothing it sends is evaluated).
 """
 
 from __future__ import annotations
@@ -23,20 +32,25 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from services.config import ParallelConfig, WorkerConfig
+from services.config import ParallelConfig, SecurityConfig, WorkerConfig
+from worker_service import rendezvous, tp_messages
 from worker_service.models.config import ModelArchConfig
+from worker_service.tp_messages import HEADER_LEN, Command
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +71,7 @@ class TPGroup:
         self.rank, self.size = rank, size
         self.device_group, self.cpu_group = device_group, cpu_group
         self.children: list[subprocess.Popen[bytes]] = []
+        self.on_stop: list[Callable[[], None]] = []  # run once the group is left
         self._stopping = False
 
     @property
@@ -85,22 +100,39 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
-    def command(self, *message: Any) -> None:
-        """Rank 0: send `message` to the other ranks (no-op elsewhere and at size 1)."""
+    def command(self, name: str, *args: int) -> None:
+        """Rank 0: send "memory", "cache" (with the number of KV blocks) or "stop" to the
+        other ranks (no-op elsewhere and at size 1); steps go through send_step."""
         if self.size > 1 and self.is_driver:
-            dist.broadcast_object_list([message], src=0, group=self.cpu_group)
+            command = Command[name.upper()]
+            if command == Command.STEP:
+                raise ValueError("a step goes through send_step")
+            self._send_header(tp_messages.header(command, *args))
 
     def receive(self) -> tuple[Any, ...]:
-        """Ranks 1..N-1: the next message rank 0 sends."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return tuple(box[0])
+        """Ranks 1..N-1: the next command of rank 0: ("memory",), ("cache", num_blocks),
+        ("stop",) or ("step", input_ids, positions, meta); ProtocolError for anything else."""
+        h = torch.empty(HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(h, src=0, group=self.cpu_group)
+        command, a, b = tp_messages.read_header(h)
+        if command == Command.CACHE:
+            return ("cache", a)
+        if command == Command.STEP:
+            payload = torch.empty(b, dtype=torch.uint8)
+            dist.broadcast(payload, src=0, group=self.cpu_group)
+            return ("step", *tp_messages.decode_step(payload, a))
+        return (command.name.lower(),)
 
     def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> None:
         """Rank 0: a step's prepared model inputs, as host tensors, to the other ranks."""
         if self.size > 1 and self.is_driver:
-            cpu = torch.device("cpu")
-            self.command("step", input_ids.to(cpu), positions.to(cpu), tensors_to(meta, cpu))
+            text_len, payload = tp_messages.encode_step(input_ids, positions, meta)
+            self._send_header(tp_messages.header(Command.STEP, text_len, payload.numel()))
+            dist.broadcast(payload, src=0, group=self.cpu_group)
+
+    def _send_header(self, h: torch.Tensor) -> None:
+        tp_messages.read_header(h)  # the check receivers make, before anything is sent
+        dist.broadcast(h, src=0, group=self.cpu_group)
 
     # ---------------------------------------------------------------- lifetime
     def stop(self) -> None:
@@ -120,6 +152,8 @@ class TPGroup:
                     child.kill()
                     child.wait()
         dist.destroy_process_group()
+        for release in self.on_stop:
+            release()
 
 
 def tensors_to(obj: Any, device: torch.device) -> Any:
@@ -194,31 +228,89 @@ def layer_shard(cfg: ModelArchConfig, rank: int, size: int) -> LayerShard:
     return LayerShard(kv_start, kv_start + kv[rank], group, mlp_start, mlp_start + mlp[rank])
 
 
+# ------------------------------------------------------------------ rendezvous
+@dataclass(frozen=True)
+class LocalRendezvous:
+    """Ranks on this host started by rank 0: a FileStore at `path`, in a 0700 directory
+    that rank 0 made and removes once the group is formed."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class RemoteRendezvous:
+    """Ranks started by hand: rank 0 serves an authenticated store at `init_method`
+    (tcp://HOST:PORT) and every rank needs `security`'s token."""
+
+    init_method: str
+    security: SecurityConfig
+
+
+Rendezvous = LocalRendezvous | RemoteRendezvous
+
+
 def resolve_init_method(configured: str) -> str:
-    """The configured method; else env:// when MASTER_ADDR/PORT are set; else a free port."""
-    if configured:
-        return configured
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        return "env://"
-    import socket
+    """Where ranks started by hand meet: the configured tcp://HOST:PORT, else the one
+    MASTER_ADDR / MASTER_PORT name (ValueError when there is neither)."""
+    if not configured:
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not (host and port):
+            raise ValueError("ranks started by hand need --tp-init-method or MASTER_ADDR/PORT")
+        configured = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+    rendezvous.store_address(configured)  # ValueError unless tcp://HOST:PORT
+    return configured
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+def _open_store(rank: int, size: int, how: Rendezvous) -> tuple[Any, Callable[[], None]]:
+    """This rank's store, and what to call once no rank needs it any more."""
+    if isinstance(how, LocalRendezvous):
+        rendezvous.hold_to_loopback(os.environ)
+        directory = Path(how.path).parent
+
+        def remove() -> None:
+            if rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        return dist.FileStore(how.path, size), remove
+    address = rendezvous.store_address(how.init_method)
+    server = rendezvous.StoreServer(address, how.security, size) if rank == 0 else None
+    client = rendezvous.RemoteStore(address, how.security, STARTUP_TIMEOUT)
+
+    def close() -> None:
+        client.close()
+        if server is not None:
+            server.stop()
+
+    return client, close
 
 
-def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the group: NCCL for tensors on CUDA (gloo on CPU), gloo for the commands."""
+def init_group(rank: int, size: int, how: Rendezvous, device: torch.device) -> TPGroup:
+    """Join the group: NCCL for tensors on CUDA (gloo on CPU), gloo for the commands.
+    With gloo the store is released as soon as every rank has joined (gloo never reads it
+    again); NCCL forms communicators lazily and its watchdog polls the store, so there it
+    lasts until stop()."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT
-    )
-    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    device_group = dist.group.WORLD if backend == "nccl" else cpu_group
-    log.info("tensor parallel rank %d of %d joined (%s, %s)", rank, size, backend, init_method)
-    return TPGroup(rank, size, device_group, cpu_group)
+    store, release = _open_store(rank, size, how)
+    try:
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT
+        )
+        cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        device_group = dist.group.WORLD if backend == "nccl" else cpu_group
+        group = TPGroup(rank, size, device_group, cpu_group)
+        group.min_over_ranks(0)  # a barrier: every rank is past the rendezvous
+    except BaseException:
+        release()
+        raise
+    if backend == "gloo":
+        release()
+    else:
+        group.on_stop.append(release)
+    kind = "local" if isinstance(how, LocalRendezvous) else how.init_method
+    log.info("tensor parallel rank %d of %d joined (%s, %s)", rank, size, backend, kind)
+    return group
 
 
 def start_group(config: WorkerConfig, device: torch.device) -> TPGroup:
@@ -231,27 +323,43 @@ def start_group(config: WorkerConfig, device: torch.device) -> TPGroup:
 
     # fail here, before any rank starts, when the model cannot be split
     check_splittable(read_model_config(resolve_model(config.model.model)), par.tensor_parallel_size)
-    method = resolve_init_method(par.init_method)
+    how = _rank0_rendezvous(par)
     children = [
-        spawn_rank(config, rank, method)
+        spawn_rank(config, rank, how.path)
         for rank in range(1, par.tensor_parallel_size)
-        if par.spawn_ranks
+        if isinstance(how, LocalRendezvous)
     ]
-    group = init_group(0, par.tensor_parallel_size, method, device)
+    group = init_group(0, par.tensor_parallel_size, how, device)
     group.children = children
     atexit.register(group.stop)
     threading.Thread(target=_exit_when_a_rank_dies, args=(group,), daemon=True).start()
     return group
 
 
-def spawn_rank(config: WorkerConfig, rank: int, init_method: str) -> subprocess.Popen[bytes]:
-    """`python -m worker_service.tp_worker` for `rank`; the config goes through stdin."""
+def _rank0_rendezvous(par: ParallelConfig) -> Rendezvous:
+    """A private file for the ranks rank 0 starts; its token-guarded store otherwise."""
+    if par.spawn_ranks:
+        if par.init_method:
+            raise ValueError(
+                "--tp-init-method is for ranks started by hand (with --tp-no-spawn); "
+                "the ranks rank 0 starts meet through a private file"
+            )
+        return LocalRendezvous(str(Path(tempfile.mkdtemp(prefix="tessera-tp-")) / "store"))
+    from services.grpc_utils import internal_security
+
+    rendezvous.require_token(internal_security())
+    return RemoteRendezvous(resolve_init_method(par.init_method), internal_security())
+
+
+def spawn_rank(config: WorkerConfig, rank: int, store_path: str) -> subprocess.Popen[bytes]:
+    """`python -m worker_service.tp_worker` for `rank`; the config goes through stdin as
+    JSON, the rendezvous file (in rank 0's 0700 directory) on the command line."""
     argv = [sys.executable, "-m", "worker_service.tp_worker", "--rank", str(rank)]
-    argv += ["--init-method", init_method, "--parent-pid", str(os.getpid())]
+    argv += ["--rendezvous-file", store_path, "--parent-pid", str(os.getpid())]
     argv += ["--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
     assert proc.stdin is not None
-    proc.stdin.write(pickle.dumps(config))
+    proc.stdin.write(tp_messages.encode_config(config))
     proc.stdin.close()
     return proc
 

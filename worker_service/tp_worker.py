@@ -1,15 +1,15 @@
 """Ranks 1..N-1 of a tensor-parallel worker: follow rank 0's commands until told to stop.
 
-Started by rank 0 (`python -m worker_service.tp_worker --rank R ...`, the pickled
-WorkerConfig on stdin), or by hand on another host (`python -m worker_service
---tensor-parallel-size N --tp-rank R --tp-init-method tcp://HOST:PORT`).
+Started by rank 0 (`python -m worker_service.tp_worker --rank R --rendezvous-file PATH`,
+the WorkerConfig as JSON on stdin), or by hand on another host (`python -m worker_service
+--tensor-parallel-size N --tp-rank R --tp-init-method tcp://HOST:PORT`, with the internal
+token).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import pickle
 import signal
 import sys
 
@@ -19,16 +19,17 @@ from services.config import WorkerConfig
 from services.log import setup_logging
 from worker_service import parallel
 from worker_service.models.context import forward_context
+from worker_service.tp_messages import decode_config
 from worker_service.worker import Worker, select_device
 
 log = logging.getLogger(__name__)
 
 
-def run_rank(config: WorkerConfig, rank: int, init_method: str) -> None:
+def run_rank(config: WorkerConfig, rank: int, how: parallel.Rendezvous) -> None:
     """Join the group as `rank`, load this rank's share of the model, serve rank 0."""
     device = select_device(config.model.device)
     size = config.parallel.tensor_parallel_size
-    group = parallel.init_group(rank, size, init_method, device)
+    group = parallel.init_group(rank, size, how, device)
     worker = Worker(config, tp=group)
     follow(worker, group)
 
@@ -57,16 +58,16 @@ def follow(worker: Worker, group: parallel.TPGroup) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m worker_service.tp_worker", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--init-method", required=True)
+    p.add_argument("--rendezvous-file", required=True, help="rank 0's private FileStore")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    config: WorkerConfig = pickle.loads(sys.stdin.buffer.read())
+    config = decode_config(sys.stdin.buffer.read())
     setup_logging(f"worker-rank{args.rank}", args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us (Ctrl-C reaches the group)
     if args.parent_pid:
         parallel.exit_with_parent(args.parent_pid)
-    run_rank(config, args.rank, args.init_method)
+    run_rank(config, args.rank, parallel.LocalRendezvous(args.rendezvous_file))
 
 
 if __name__ == "__main__":

@@ -198,32 +198,39 @@ def test_sigterm_stops_rank0_and_its_rank_cleanly(tiny_llama: Path) -> None:
 
 def test_ranks_started_by_hand_join_over_tcp_and_env(tiny_llama: Path) -> None:
     """The multi-host form: rank 0 does not spawn (--tp-no-spawn, MASTER_ADDR/MASTER_PORT);
-    rank 1 is its own `python -m worker_service --tp-rank 1 --tp-init-method tcp://...`.
+    rank 1 is its own `python -m worker_service --tp-rank 1 --tp-init-method tcp://...`;
+    both have the internal token, which guards the rendezvous rank 0 serves on that port.
     The gRPC worker they form answers like HF; rank 1 exits when rank 0 stops."""
     from scheduler_service.worker_client import GrpcWorkerClient
+    from services.config import SecurityConfig
+    from services.grpc_utils import internal_security, set_internal_security
+    from services.security import TOKEN_ENV
     from tests.conftest import free_port
     from tests.worker.conftest import REPO
 
-    port = free_port()
+    port, token = free_port(), "tp-by-hand-token"
     common = ["--model", str(tiny_llama), "--dtype", "float32", "--num-threads", "1"]
     common += ["--tensor-parallel-size", "2"]
     by_hand = ["--tp-rank", "1", "--tp-init-method", f"tcp://127.0.0.1:{port}"]
     rank1 = subprocess.Popen(
         [sys.executable, "-m", "worker_service", *common, *by_hand],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), TOKEN_ENV: token},
     )
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{TOKEN_ENV: token})
     try:
         proc, address = spawn_worker(*common, "--tp-no-spawn")
     finally:
-        del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ[TOKEN_ENV]
+    before = internal_security()
+    set_internal_security(SecurityConfig(token=token))
     try:
         assert _children(proc.pid) == []
         client = GrpcWorkerClient(address)
         outputs = _generate(client)
         client.close()
     finally:
+        set_internal_security(before)
         assert stop_worker(proc) == 0
     assert rank1.wait(timeout=30) == 0
     expected = hf_greedy(tiny_llama, PROMPTS, NEW_TOKENS, "float32")
