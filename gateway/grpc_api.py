@@ -18,7 +18,7 @@ from gateway import responses as rs
 from gateway.admission import MessageBudgetInterceptor
 from gateway.errors import ApiError, InvalidRequest
 from gateway.limits import check_chat_size, check_stop
-from gateway.media import ImageService, prepare_chat_images
+from gateway.media import check_image_count, prepare_chat_images
 from gateway.options import TextOptions
 from gateway.protocol import ROLES, ChatMessage, GrpcOptions, parse
 from gateway.serving import GenerateJob, Serving
@@ -67,23 +67,6 @@ def _sized(param: str, check: Any, *args: Any) -> None:
         check(*args)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param) from None
-
-
-def check_images(
-    messages: Sequence[pb.ChatMessage], service: ImageService | None, model: str
-) -> None:
-    """Refuse more images than the served model takes (none for a text-only model), counted
-    before any image is converted."""
-    count = sum(p.WhichOneof("part") == "image" for m in messages for p in m.parts)
-    if count and service is None:
-        raise InvalidRequest(
-            f"'{model}' is a text-only model; image content parts are not supported", "messages"
-        )
-    if service is not None and count > service.limits.max_images:
-        raise InvalidRequest(
-            f"{count} images in one prompt, over the limit of {service.limits.max_images}",
-            "messages",
-        )
 
 
 def _text(message: pb.ChatMessage) -> str:
@@ -177,7 +160,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         options = text_options(request.params, request.priority)
         job = GenerateJob(rs.new_id("chatcmpl"), [], options)
         turns = chat_messages(request.messages)
-        check_images(request.messages, self.serving.images, card.name)
+        images = sum(p.WhichOneof("part") == "image" for m in request.messages for p in m.parts)
+        check_image_count(self.serving.images, card.name, images)
         with_images = image_messages(request.messages)
         try:
             if with_images is not None:

@@ -73,13 +73,7 @@ class ImageService:
         worker_host_id: str,
     ) -> PreparedImages:
         """Render `turns` (one per message) with image parts, then expand and export."""
-        urls = _image_urls(messages)
-        if len(urls) > self.limits.max_images:
-            raise InvalidRequest(
-                f"{len(urls)} images in one prompt, over the limit of {self.limits.max_images}",
-                "messages",
-            )
-        images = [await self._load(url, tokenizer) for url in urls]
+        images = [await self._load(url, tokenizer) for url in _image_urls(messages)]
         text = await tokenizer.run(tokenizer.render_chat, _with_image_parts(messages, turns))
         mode = self._mode(worker_host_id)
         return await tokenizer.run(self.processor.prepare, text, images, mode, False, self.limits)
@@ -109,13 +103,25 @@ async def prepare_chat_images(
     tokenizer: Tokenizer,
     worker_host_id: str,
 ) -> PreparedImages:
-    """`service.prepare_chat`, or 400 when the served model takes no images."""
-    if service is None:
+    """`service.prepare_chat`, or 400 when the served model takes no (or fewer) images."""
+    check_image_count(service, model_name, len(_image_urls(messages)))
+    assert service is not None  # a prompt with images, and check_image_count let it through
+    return await service.prepare_chat(messages, turns, tokenizer, worker_host_id)
+
+
+def check_image_count(service: ImageService | None, model_name: str, count: int) -> None:
+    """400 for `count` images in one prompt: any for a text-only model, else more than
+    --limit-images-per-prompt. REST and gRPC call it before any image is converted."""
+    if count and service is None:
         raise InvalidRequest(
             f"'{model_name}' is a text-only model; image_url content parts are not supported",
             "messages",
         )
-    return await service.prepare_chat(messages, turns, tokenizer, worker_host_id)
+    if service is not None and count > service.limits.max_images:
+        raise InvalidRequest(
+            f"{count} images in one prompt, over the limit of {service.limits.max_images}",
+            "messages",
+        )
 
 
 def _image_urls(messages: Sequence[ChatMessage]) -> list[str]:
