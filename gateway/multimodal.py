@@ -30,6 +30,7 @@ import numpy as np
 from PIL import Image
 
 from gateway.errors import InvalidRequest
+from services.config import GatewayConfig
 from services.types import MultiModalInput
 
 if TYPE_CHECKING:  # torch comes in with the first image, so text-only gateways never load it
@@ -41,7 +42,6 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 log = logging.getLogger(__name__)
 
 
-MAX_ASPECT_RATIO = 200.0  # longest side / shortest side (--max-image-aspect-ratio)
 MAX_PLANNED_PIXELS = 4096 * 4096  # the processor's resized image (48 MiB as RGB bytes)
 
 
@@ -129,7 +129,7 @@ class ImageLimits:
     max_bytes: int = 20 * 2**20  # encoded size, after base64 decoding
     max_pixels: int = 4096 * 4096  # width * height, checked before decoding the pixels
     max_images: int = 8  # images in one prompt (--limit-images-per-prompt)
-    max_aspect_ratio: float = MAX_ASPECT_RATIO  # longest side / shortest side
+    max_aspect_ratio: float = GatewayConfig.max_image_aspect_ratio  # longest / shortest side
     resize: ResizeRule | None = None  # the model's processor: its planned size is bounded too
     max_planned_pixels: int = MAX_PLANNED_PIXELS  # of the image `resize` plans
 

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from gateway.errors import InvalidRequest
+from services.config import GatewayConfig
 from services.types import SamplingParams, StructuredOutputParams
 
 
@@ -108,7 +109,7 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-image-aspect-ratio",
         type=float,
-        default=200.0,
+        default=GatewayConfig.max_image_aspect_ratio,
         help="longest / shortest side an image may have (200: 200:1); more gets 400",
     )
     p.add_argument(
