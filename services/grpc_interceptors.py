@@ -90,9 +90,14 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler
-        metadata = details.invocation_metadata or ()
-        header = next((str(v) for k, v in metadata if k == "authorization"), "")
-        return handler if bearer_matches(header, self.token) else _refusing(handler)
+        return handler if carries_token(details, self.token) else _refusing(handler)
+
+
+def carries_token(details: grpc.HandlerCallDetails, token: str) -> bool:
+    """Whether a call's metadata holds `authorization: Bearer <token>`."""
+    metadata = details.invocation_metadata or ()
+    header = next((str(v) for k, v in metadata if k == "authorization"), "")
+    return bearer_matches(header, token)
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

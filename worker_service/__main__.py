@@ -8,7 +8,7 @@ import logging
 import signal
 
 from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, parse_bytes
-from services.grpc_utils import internal_security, set_internal_security
+from services.grpc_utils import set_internal_security
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
 from worker_service.cpu_kernels import add_kernel_args
@@ -108,15 +108,12 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 
 def run_rank_by_hand(config: WorkerConfig, rank: int) -> None:
     """Rank R > 0 on its own: join rank 0's token-guarded rendezvous and follow it."""
-    from worker_service.parallel import RemoteRendezvous, resolve_init_method
-    from worker_service.rendezvous import require_token
+    from worker_service.parallel import remote_rendezvous
     from worker_service.tp_worker import run_rank
 
     if rank >= config.parallel.tensor_parallel_size:
         raise ValueError("--tp-rank must be below --tensor-parallel-size")
-    require_token(internal_security())
-    how = RemoteRendezvous(resolve_init_method(config.parallel.init_method), internal_security())
-    run_rank(config, rank, how)
+    run_rank(config, rank, remote_rendezvous(config.parallel.init_method))
 
 
 def _set_soon(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:

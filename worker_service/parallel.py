@@ -345,10 +345,17 @@ def _rank0_rendezvous(par: ParallelConfig) -> Rendezvous:
                 "the ranks rank 0 starts meet through a private file"
             )
         return LocalRendezvous(str(Path(tempfile.mkdtemp(prefix="tessera-tp-")) / "store"))
+    return remote_rendezvous(par.init_method)
+
+
+def remote_rendezvous(init_method: str) -> RemoteRendezvous:
+    """The rendezvous of ranks started by hand, on any rank: rank 0's store at the resolved
+    init method, behind the internal token (ValueError without one)."""
     from services.grpc_utils import internal_security
 
-    rendezvous.require_token(internal_security())
-    return RemoteRendezvous(resolve_init_method(par.init_method), internal_security())
+    security = internal_security()
+    rendezvous.require_token(security)
+    return RemoteRendezvous(resolve_init_method(init_method), security)
 
 
 def spawn_rank(config: WorkerConfig, rank: int, store_path: str) -> subprocess.Popen[bytes]:

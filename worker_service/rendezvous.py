@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent import futures
 from datetime import timedelta
 from typing import Any
@@ -32,10 +32,11 @@ import psutil
 import torch.distributed as dist
 
 from services.config import SecurityConfig
+from services.grpc_interceptors import carries_token
 from services.grpc_utils import sync_channel
 from services.pb import rendezvous_pb2 as pb
 from services.pb import rendezvous_pb2_grpc as pb_grpc
-from services.security import bearer_matches, server_credentials
+from services.security import server_credentials
 
 MAX_STORE_BYTES = 16 << 20  # keys + values; gloo stores ~170 bytes per rank and group
 MAX_KEYS = 65536
@@ -198,9 +199,7 @@ class _TokenCheck(grpc.ServerInterceptor):
     def intercept_service(
         self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails
     ) -> Any:
-        metadata: Iterable[tuple[str, Any]] = details.invocation_metadata or ()
-        header = next((str(v) for k, v in metadata if k == "authorization"), "")
-        return continuation(details) if bearer_matches(header, self.token) else self.denied
+        return continuation(details) if carries_token(details, self.token) else self.denied
 
 
 class StoreServer:
