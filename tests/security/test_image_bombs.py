@@ -37,7 +37,7 @@ from tests.multimodal.tiny_vlm import (
     png_bytes,
     sample_image,
 )
-from tests.stack.harness import REPO
+from tests.stack.harness import REPO, wait_healthy
 
 pytestmark = pytest.mark.slow
 BOMBS = [(400000, 1), (1, 400000)]
@@ -81,14 +81,8 @@ def _start_gateway(model_dir: Path, scheduler: str) -> Gateway:
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, API_KEY_ENV)}
     process = subprocess.Popen(argv, cwd=REPO, env=env)
     gateway = Gateway(process, port, grpc_port)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{gateway.base_url}/health", timeout=2).status_code == 200:
-                return gateway
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    if wait_healthy(process, gateway.base_url, 180, interval_s=0.3):
+        return gateway
     process.kill()
     raise RuntimeError("the gateway did not become healthy")
 

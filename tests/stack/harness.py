@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -105,7 +106,7 @@ def start_stack(*extra: str, timeout_s: float = 300) -> Stack:
     )
     stack = Stack(process, ports[0], ports[1], ports[2], ports[3])
     threading.Thread(target=_pump, args=(stack,), daemon=True).start()
-    if not _wait_healthy(stack, timeout_s):
+    if not wait_healthy(stack.process, stack.base_url, timeout_s):
         stack.stop()
         raise RuntimeError(f"tessera serve did not become healthy:\n{stack.output()[-4000:]}")
     return stack
@@ -117,15 +118,18 @@ def _pump(stack: Stack) -> None:
         stack.lines.append(line)
 
 
-def _wait_healthy(stack: Stack, timeout_s: float) -> bool:
+def wait_healthy(
+    process: subprocess.Popen[Any], base_url: str, timeout_s: float, interval_s: float = 0.5
+) -> bool:
+    """Whether `base_url`/health answers 200 within `timeout_s` while `process` lives."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if stack.process.poll() is not None:
+        if process.poll() is not None:
             return False
         try:
-            if httpx.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(interval_s)
     return False
