@@ -105,8 +105,8 @@ def check_token_budget(max_tokens: Sequence[int], limits: RequestLimits) -> None
     total, most = sum(max_tokens), limits.max_request_tokens
     if most and total > most:
         raise InvalidRequest(
-            f"This request may generate up to {total} tokens ({len(max_tokens)} choices x "
-            f"max_tokens; unset, max_tokens is the context left after the prompt), over this "
+            f"This request may generate up to {total} tokens (max_tokens x n over its prompts; "
+            "an unset max_tokens counts as the context left after the prompt), over this "
             f"server's budget of {most} tokens per request (--max-request-tokens). Lower "
             "max_tokens or n.",
             "max_tokens",
