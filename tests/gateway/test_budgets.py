@@ -18,11 +18,14 @@ import httpx
 import openai
 import pytest
 
+from gateway.__main__ import config_from_args
+from gateway.__main__ import parse_args as gateway_args
 from gateway.tokenizer import Tokenizer
 from services.config import RequestLimits, SecurityConfig
 from services.grpc_utils import sync_channel
 from services.pb import generate_pb2 as pb
 from services.pb import generate_pb2_grpc as pb_grpc
+from tessera.cli import build_parser, build_services, main
 from tests.gateway.conftest import API_KEY, Stack, start_stack
 from tests.gateway.fake_engine import MAX_MODEL_LEN, MODEL_NAME, FakeEngine
 from tests.gateway.test_disconnect import metric, wait_until
@@ -125,8 +128,21 @@ def test_limits_allow_what_the_defaults_allow() -> None:
     assert replace(limits, request_timeout_s=1.0).timeout_s(5.0) == 1.0  # the shorter wins
     for bad in ({"max_n": 0}, {"max_n": 65}, {"max_logprobs": 21}, {"request_timeout_s": -1}):
         with pytest.raises(ValueError):
-            RequestLimits(**bad)  # type: ignore[arg-type]
+            RequestLimits(**bad)
     assert LIMITS.max_request_tokens < MAX_MODEL_LEN  # the unset-max_tokens test needs it
+
+
+def test_tessera_serve_passes_the_limits_to_the_gateway(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--max-n", "8", "--max-logprobs", "3", "--max-request-tokens", "1000"]
+    for argv, want in (
+        ([], RequestLimits()),
+        ([*flags, "--request-timeout", "2.5"], RequestLimits(8, 3, 1000, 2.5)),
+    ):
+        gateway = build_services(build_parser().parse_args(["serve", *argv]), "token")[-1]
+        args = gateway_args(gateway.argv[3:])  # [python, -m, gateway, ...]
+        assert config_from_args(args).limits == want
+    assert main(["serve", "--max-n", "65"]) == 2  # refused before any service starts
+    assert "max_n must be in [1, 64]" in capsys.readouterr().err
 
 
 # -- deadlines: aborted in the engine, 408 / DEADLINE_EXCEEDED ------------------------------
