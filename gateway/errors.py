@@ -91,6 +91,19 @@ class TooManyRequests(ApiError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class RequestTimeout(ApiError):
+    """The request ran past its deadline (--request-timeout, its `timeout` field or the gRPC
+    call deadline) and was aborted: 408; clients should not retry it as it is."""
+
+    status = 408
+    type = "timeout_error"
+    code = "timeout"
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def headers(self) -> dict[str, str]:
+        return {"x-should-retry": "false"}  # the openai SDKs retry a 408 unless told not to
+
+
 class ServiceUnavailable(ApiError):
     """The engine is down or the gateway is draining: 503."""
 

@@ -4,7 +4,9 @@ Requests go through the same option checks (gateway.protocol), chat template,
 admission and `Serving.generate` as REST; the size limits (turns, content parts, images,
 stop strings) are counted on the proto before anything is converted; `ApiError`s become gRPC statuses
 (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE...). A client
-that cancels its call cancels the engine request.
+that cancels its call cancels the engine request; the call's deadline is the
+request's `timeout` (the shorter of it and --request-timeout wins), past which
+the request is aborted with DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     async def _unary(self, make_job: Any, given_id: str, context: Any) -> pb.GenerateResponse:
         job, model = await _checked(make_job, context)
+        _honour_deadline(job, context)
         collector = rs.Collector(job)
         try:
             with self.serving.admit():
@@ -200,6 +203,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self, make_job: Any, given_id: str, context: Any
     ) -> AsyncIterator[pb.GenerateChunk]:
         job, _ = await _checked(make_job, context)
+        _honour_deadline(job, context)
         collector = rs.Collector(job)
         rid = given_id or job.request_id
         try:
@@ -217,6 +221,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         except ApiError as exc:
             job.release()  # admission refused: the stream never ran
             await context.abort(exc.grpc_code, exc.message)
+
+
+def _honour_deadline(job: GenerateJob, context: Any) -> None:
+    """Give `job` the call's deadline (grpc-timeout) as its timeout, when the call has one."""
+    remaining = context.time_remaining()
+    if remaining is not None:
+        job.options = replace(job.options, timeout_s=max(remaining, 1e-3))
 
 
 def _usage(collector: rs.Collector) -> pb.Usage:

@@ -88,6 +88,9 @@ class GatewayMetrics:
         self.disconnects = Counter(
             "tessera_client_disconnects", "Clients that went away mid-request", registry=r
         )
+        self.timeouts = Counter(
+            "tessera_request_timeouts", "Requests aborted at their deadline", registry=r
+        )
         self.scheduler_up = Gauge(
             "tessera_scheduler_up", "1 when the last GetStats call succeeded", registry=r
         )

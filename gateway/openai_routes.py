@@ -40,7 +40,8 @@ class OpenAIRoutes:
         self.max_body_bytes = max_body_bytes
 
     async def chat(self, request: Request) -> Response:
-        req = parse(ChatCompletionRequest, await read_json(request, self.max_body_bytes))
+        body = await read_json(request, self.max_body_bytes)
+        req = parse(ChatCompletionRequest, body, self.serving.limits)
         options = tools.chat_options(req)
         plan = tools.plan_for(req)
         card = await self.serving.check_model(req.model)
@@ -73,7 +74,8 @@ class OpenAIRoutes:
         return EventSourceResponse(events, sep="\n", ping=600)
 
     async def completions(self, request: Request) -> Response:
-        req = parse(CompletionRequest, await read_json(request, self.max_body_bytes))
+        body = await read_json(request, self.max_body_bytes)
+        req = parse(CompletionRequest, body, self.serving.limits)
         options = req.options()
         card = await self.serving.check_model(req.model)
         prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]

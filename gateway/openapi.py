@@ -44,6 +44,7 @@ _ERRORS = {
     "400": "Malformed or invalid request",
     "401": "Missing or wrong API key",
     "404": "Unknown model",
+    "408": "The request ran past its deadline and was aborted",
     "413": "Body too large",
     "429": "Too many requests in flight",
     "503": "The engine is unavailable or the server is draining",
@@ -76,7 +77,7 @@ def _post(summary: str, request: str, response: str, stream: bool) -> Schema:
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _json(request)},
-            "responses": {"200": ok, **_errors("400", "401", "404", "413", "429", "503")},
+            "responses": {"200": ok, **_errors("400", "401", "404", "408", "413", "429", "503")},
         }
     }
 

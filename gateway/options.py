@@ -8,10 +8,13 @@ knows (vocabulary, context length) and builds the engine's SamplingParams.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pydantic import ValidationInfo
+
 from gateway.errors import InvalidRequest
-from services.config import GatewayConfig
+from services.config import GatewayConfig, RequestLimits
 from services.types import SamplingParams, StructuredOutputParams
 
 
@@ -39,6 +42,7 @@ class TextOptions:
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     priority: int = 0
     structured_output: StructuredOutputParams | None = None  # a checked decoding constraint
+    timeout_s: float | None = None  # the client's deadline in seconds; None: the server's
 
     def sampling_params(
         self, prompt_len: int, max_model_len: int, vocab_size: int, prompt_logprobs: bool = False
@@ -82,6 +86,81 @@ class TextOptions:
                     f"'{name}' holds token id {bad[0]}, outside the vocabulary (size {vocab_size})",
                     name,
                 )
+
+
+def within_limit(value: int | None, info: ValidationInfo, limit: str) -> int | None:
+    """`value` (a request field being validated) when the server's `limit`, a RequestLimits
+    field, allows it; a ValueError naming the flag otherwise. `parse` passes the limits."""
+    limits = (info.context or {}).get("limits") or RequestLimits()
+    most = getattr(limits, limit)
+    if value is not None and value > most:
+        flag = "--" + limit.replace("_", "-")
+        raise ValueError(f"must be at most {most} on this server ({flag}), not {value}")
+    return value
+
+
+def check_token_budget(max_tokens: Sequence[int], limits: RequestLimits) -> None:
+    """400 when the choices' max_tokens (resolved: unset is the context left) add up to more
+    than --max-request-tokens."""
+    total, most = sum(max_tokens), limits.max_request_tokens
+    if most and total > most:
+        raise InvalidRequest(
+            f"This request may generate up to {total} tokens (max_tokens x n over its prompts; "
+            "an unset max_tokens counts as the context left after the prompt), over this "
+            f"server's budget of {most} tokens per request (--max-request-tokens). Lower "
+            "max_tokens or n.",
+            "max_tokens",
+        )
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Per-request budgets of the gateway (services.config.RequestLimits); `tessera serve`
+    takes them too and passes them on with `limit_flags`."""
+    d = RequestLimits()
+    p.add_argument(
+        "--max-n", type=int, default=d.max_n, help=f"most choices (n) per request ({d.max_n})"
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        help=f"most logprobs / top_logprobs per token ({d.max_logprobs})",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=d.max_request_tokens,
+        help="most tokens one request may generate: n x max_tokens over its prompts, unset "
+        f"max_tokens counting as the context left; 0: no cap ({d.max_request_tokens})",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="seconds before a request is aborted (408 / DEADLINE_EXCEEDED); 0: none; a "
+        "shorter `timeout` body field or gRPC deadline wins",
+    )
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    """The `add_limit_args` options of `args`."""
+    return RequestLimits(
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_request_tokens=args.max_request_tokens,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def limit_flags(args: argparse.Namespace) -> list[str]:
+    """The `add_limit_args` options of `args` as gateway command-line flags; ValueError
+    when they are out of range (checked here, before any service starts)."""
+    limits = limits_from_args(args)
+    return [
+        "--max-n", str(limits.max_n), "--max-logprobs", str(limits.max_logprobs),
+        "--max-request-tokens", str(limits.max_request_tokens),
+        "--request-timeout", str(limits.request_timeout_s),
+    ]  # fmt: skip
 
 
 def add_media_args(p: argparse.ArgumentParser) -> None:

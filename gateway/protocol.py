@@ -21,15 +21,16 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core.core_schema import ValidationInfo
 
 from gateway.constraints import GuidedFields
 from gateway.errors import InvalidRequest
 from gateway.limits import chat_size, stop_size
-from gateway.options import TextOptions
+from gateway.options import TextOptions, within_limit
 from gateway.strict import Strict
-from services.types import MAX_LOGPROBS
+from services.config import RequestLimits
+from services.types import MAX_LOGPROBS, MAX_N
 
-MAX_N = 64  # choices per request
 MAX_PROMPTS = 64  # prompts in one completions request
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -77,6 +78,14 @@ class SamplingFields(GuidedFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default"] | None = None
+    # Seconds before the server aborts the request (408); the shorter of this and
+    # --request-timeout wins. A Tessera extension (the openai SDKs send it in extra_body).
+    timeout: float | None = Field(None, gt=0)
+
+    @field_validator("n")
+    @classmethod
+    def _n_allowed(cls, n: int | None, info: ValidationInfo) -> int | None:
+        return within_limit(n, info, "max_n")
 
     @field_validator("store")
     @classmethod
@@ -105,6 +114,7 @@ class SamplingFields(GuidedFields):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=_or(self.skip_special_tokens, True), n=_or(self.n, 1),
             priority=_or(self.priority, 0), structured_output=self.constraint(),
+            timeout_s=self.timeout,
         )  # fmt: skip
 
 
@@ -210,6 +220,11 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_allowed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return within_limit(value, info, "max_logprobs")
+
     @model_validator(mode="after")
     def _cross_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
@@ -249,6 +264,11 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_allowed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return within_limit(value, info, "max_logprobs")
 
     @field_validator("prompt")
     @classmethod
@@ -299,10 +319,11 @@ class DetokenizeRequest(Strict):
 # -- parsing and errors -----------------------------------------------------------------
 
 
-def parse(model: type[M], data: dict[str, Any]) -> M:
-    """`data` validated as `model`; InvalidRequest naming the first bad field otherwise."""
+def parse(model: type[M], data: dict[str, Any], limits: RequestLimits | None = None) -> M:
+    """`data` validated as `model` under the server's per-request `limits` (the defaults
+    without); InvalidRequest naming the first bad field otherwise."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"limits": limits or RequestLimits()})
     except ValidationError as exc:
         raise invalid_request(exc) from None
 

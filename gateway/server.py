@@ -59,6 +59,7 @@ class GatewayServer:
             config.served_model_name,
             config.max_queued_requests,
             config.max_inflight_bytes,
+            config.limits,
         )
         self.serving.images = ImageService.load(config, resolve_model(config.model))
         self.app = build_app(config, self.serving)

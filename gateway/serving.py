@@ -4,7 +4,10 @@
 draining) and the served model's description. `Serving.generate(job)` runs the
 n choices of every prompt as separate engine requests (`{id}-{index}`) and
 yields their `ChoiceDelta`s interleaved; closing or cancelling the iterator
-cancels every engine call, which aborts the requests in the scheduler.
+cancels every engine call, which aborts the requests in the scheduler. A job
+over the token budget is refused before any engine call; one past its deadline
+(`RequestLimits.timeout_s`) raises `RequestTimeout` after its engine calls are
+cancelled.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from gateway.errors import (
     EngineError,
     InvalidRequest,
     ModelNotFound,
+    RequestTimeout,
     ServiceUnavailable,
     TooManyRequests,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.options import check_token_budget
 from gateway.output import ChoiceDelta, OutputProcessor
 from gateway.protocol import TextOptions
 from gateway.router import EngineRouter
 from gateway.tokenizer import Tokenizer
+from services.config import RequestLimits
 from services.step_types import ServerInfo
 from services.types import EngineCoreRequest
 
@@ -85,6 +91,7 @@ class Serving:
         served_model_name: str = "",
         max_in_flight: int = 1024,
         max_inflight_bytes: int = 256 << 20,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -93,6 +100,7 @@ class Serving:
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.byte_budget = ByteBudget(max_inflight_bytes)  # request bytes held, REST and gRPC
+        self.limits = limits or RequestLimits()  # per-request budgets and deadline
         self.draining = False
         self.images: ImageService | None = None  # set for a vision-language model
         self._card: ModelCard | None = None
@@ -170,12 +178,14 @@ class Serving:
     async def _generate(self, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
         card = await self.model_card()
         requests = [self._engine_request(job, i, prompt, card) for i, prompt in job.choices()]
+        check_token_budget([r.sampling_params.max_tokens or 0 for _, r in requests], self.limits)
+        deadline = _Deadline(self.limits.timeout_s(job.options.timeout_s), job.arrival_time)
         queue: asyncio.Queue[object] = asyncio.Queue()
         tasks = [asyncio.create_task(self._run_choice(job, i, r, queue)) for i, r in requests]
         try:
             remaining = len(tasks)
             while remaining:
-                item = await queue.get()
+                item = await self._next(queue, deadline)
                 if item is _DONE:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -187,6 +197,19 @@ class Serving:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _next(self, queue: asyncio.Queue[object], deadline: _Deadline) -> object:
+        """The next item of `queue`; RequestTimeout once `deadline` passed."""
+        try:
+            async with asyncio.timeout_at(deadline.at):
+                if deadline.passed():  # checked here too: a queue never empty never blocks
+                    raise TimeoutError
+                return await queue.get()
+        except TimeoutError:
+            self.metrics.timeouts.inc()
+            raise RequestTimeout(
+                f"the request ran past its deadline of {deadline.seconds:g} s and was aborted"
+            ) from None
 
     def _engine_request(
         self, job: GenerateJob, index: int, prompt: list[int], card: ModelCard
@@ -235,3 +258,18 @@ class Serving:
             await queue.put(exc)
         finally:
             await queue.put(_DONE)
+
+
+class _Deadline:
+    """When a request that arrived at `arrival_time` (wall clock) must end, in event-loop
+    time; never when `seconds` is None."""
+
+    def __init__(self, seconds: float | None, arrival_time: float) -> None:
+        self.seconds = seconds
+        self.at: float | None = None
+        if seconds is not None:
+            waited = max(0.0, time.time() - arrival_time)
+            self.at = asyncio.get_running_loop().time() + seconds - waited
+
+    def passed(self) -> bool:
+        return self.at is not None and asyncio.get_running_loop().time() >= self.at

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.types import MAX_LOGPROBS, MAX_N
+
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct (services.default_model)
 GiB = 1 << 30
 
@@ -198,6 +200,37 @@ ROUTINGS = ("affinity", "round-robin")  # how a gateway spreads requests over en
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one generate request may ask for (REST and gRPC); over a limit: 400 /
+    INVALID_ARGUMENT before any engine work, past the deadline: 408 / DEADLINE_EXCEEDED."""
+
+    # Most choices (`n`) per request, at most MAX_N.
+    max_n: int = 16
+    # Most top logprobs per token (`logprobs` / `top_logprobs`), at most MAX_LOGPROBS.
+    max_logprobs: int = MAX_LOGPROBS
+    # Most tokens one request may generate over all its choices and prompts: the sum of
+    # max_tokens (unset: the context left after the prompt) x n; 0 means no cap.
+    max_request_tokens: int = 262144
+    # Seconds a request may take before it is aborted; 0 means no server deadline. A
+    # request's own `timeout` (REST) or call deadline (gRPC) wins when shorter.
+    request_timeout_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_n <= MAX_N, f"max_n must be in [1, {MAX_N}]")
+        _require(
+            0 <= self.max_logprobs <= MAX_LOGPROBS, f"max_logprobs must be in [0, {MAX_LOGPROBS}]"
+        )
+        _require(self.max_request_tokens >= 0, "max_request_tokens must be >= 0 (0: no cap)")
+        _require(self.request_timeout_s >= 0, "request_timeout_s must be >= 0 (0: none)")
+
+    def timeout_s(self, requested_s: float | None) -> float | None:
+        """The deadline of a request that asked for `requested_s` (None: it did not): the
+        shorter of that and the server's; None when neither sets one."""
+        given = [t for t in (self.request_timeout_s, requested_s) if t]
+        return min(given) if given else None
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The OpenAI REST front end and the public gRPC text API."""
 
@@ -248,6 +281,9 @@ class GatewayConfig:
     # How pixels reach the worker: "auto" (shm when the worker reports this host, else
     # inline bytes), or always "shm" / "inline" (benchmarks, unusual deployments).
     image_transport: Literal["auto", "shm", "inline"] = "auto"
+    # Per-request budgets and deadline: --max-n, --max-logprobs, --max-request-tokens,
+    # --request-timeout.
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def scheduler_addresses(self) -> tuple[str, ...]:

@@ -11,7 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top logprobs per token the engine computes at most
+MAX_N = 64  # choices per request the gateway accepts at most (--max-n may lower it)
 
 
 class FinishReason(enum.IntEnum):

@@ -7,7 +7,7 @@ import os
 import secrets
 import sys
 
-from gateway.options import add_media_args, media_flags
+from gateway.options import add_limit_args, add_media_args, limit_flags, media_flags
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
@@ -82,6 +82,7 @@ def _serve_parser(
     p.add_argument(
         "--start-timeout", type=float, default=300.0, help="seconds each service may take to start"
     )
+    add_limit_args(p)
     add_media_args(p)
     p.add_argument("--log-level", default="INFO")
     add_data_parallel_args(p)
@@ -135,7 +136,8 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
-        "--drain-timeout", str(args.drain_timeout), *media_flags(args), *common,
+        "--drain-timeout", str(args.drain_timeout), *limit_flags(args), *media_flags(args),
+        *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     health = f"http://{probe_host}:{args.port}/health"

@@ -56,7 +56,8 @@ def test_help_lists_the_flags() -> None:
     )
     assert out.returncode == 0
     for flag in ("--scheduler", "--served-model-name", "--grpc-port", "--api-key", "--max-queued-requests",
-                 "--cors-allow-origin", "--drain-timeout", "--log-level"):  # fmt: skip
+                 "--cors-allow-origin", "--drain-timeout", "--log-level", "--max-n",
+                 "--max-logprobs", "--max-request-tokens", "--request-timeout"):  # fmt: skip
         assert flag in out.stdout
 
 
