@@ -200,6 +200,8 @@ class Serving:
 
     async def _next(self, queue: asyncio.Queue[object], deadline: _Deadline) -> object:
         """The next item of `queue`; RequestTimeout once `deadline` passed."""
+        if deadline.at is None:  # no deadline: no timer per token
+            return await queue.get()
         try:
             async with asyncio.timeout_at(deadline.at):
                 if deadline.passed():  # checked here too: a queue never empty never blocks
