@@ -1,8 +1,9 @@
 """The public gRPC text API (`tessera.v1.TextGeneration`), sharing the REST generate path.
 
 Requests go through the same option checks (gateway.protocol), chat template,
-admission and `Serving.generate` as REST; the size limits (turns, content parts, images,
-stop strings) are counted on the proto before anything is converted; `ApiError`s become gRPC statuses
+admission and `Serving.generate` as REST; the size limits (turns, content parts, stop
+strings) are counted on the wire before protobuf parses a request (gateway.limits), images
+on the proto before any is converted; `ApiError`s become gRPC statuses
 (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE...). A client
 that cancels its call cancels the engine request; the call's deadline is the
 request's `timeout` (the shorter of it and --request-timeout wins), past which
@@ -16,10 +17,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+import grpc
+
 from gateway import responses as rs
 from gateway.admission import MessageBudgetInterceptor
 from gateway.errors import ApiError, InvalidRequest
-from gateway.limits import check_chat_size, check_stop
+from gateway.limits import capped_parser, check_stop
 from gateway.media import check_image_count, prepare_chat_images
 from gateway.options import TextOptions
 from gateway.protocol import ROLES, ChatMessage, GrpcOptions, parse
@@ -46,7 +49,10 @@ def options_dict(params: pb.TextSamplingParams) -> dict[str, Any]:
 
 def text_options(params: pb.TextSamplingParams, priority: int) -> TextOptions:
     """Validated options, with the same checks as the REST API."""
-    _sized("stop", check_stop, params.stop)
+    try:
+        check_stop(params.stop)  # the lengths: the wire count took the number
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "stop") from None
     checked = parse(GrpcOptions, options_dict(params))
     return replace(checked.text_options(checked.max_tokens, None), priority=priority)
 
@@ -54,21 +60,12 @@ def text_options(params: pb.TextSamplingParams, priority: int) -> TextOptions:
 def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequest("'messages' must not be empty", "messages")
-    _sized("messages", check_chat_size, len(messages), (len(m.parts) for m in messages))
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidRequest(
                 f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages"
             )
     return [{"role": m.role, "content": _text(m)} for m in messages]
-
-
-def _sized(param: str, check: Any, *args: Any) -> None:
-    """`check(*args)`, a gateway.protocol size check, with its ValueError as InvalidRequest."""
-    try:
-        check(*args)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param) from None
 
 
 def _text(message: pb.ChatMessage) -> str:
@@ -246,14 +243,31 @@ async def _checked(awaitable: Any, context: Any) -> Any:
         await context.abort(exc.grpc_code, exc.message)
 
 
+def add_servicer(servicer: TextGenerationServicer, server: Any) -> None:
+    """Put `servicer` on `server` like pb_grpc.add_TextGenerationServicer_to_server, each
+    request parsed by gateway.limits.capped_parser (limits counted on the wire first)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["TextGeneration"].methods:
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=capped_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def build_grpc_server(
     address: str, serving: Serving, api_key: str = "", max_receive_bytes: int = 32 << 20
 ) -> GrpcServer:
     """A GrpcServer (health + reflection) carrying the TextGeneration service; with `api_key`
     every call but health and reflection needs `authorization: Bearer <api_key>`."""
-    registration = Registration(
-        SERVICE_NAME, pb_grpc.add_TextGenerationServicer_to_server, TextGenerationServicer(serving)
-    )
+    registration = Registration(SERVICE_NAME, add_servicer, TextGenerationServicer(serving))
     return GrpcServer(
         address,
         [registration],

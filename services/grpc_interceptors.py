@@ -117,33 +117,38 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 _HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 
+class RequestRefused(ValueError):
+    """Raised by a request deserializer: the call ends with INVALID_ARGUMENT and this text."""
+
+
 @dataclass(frozen=True)
 class Undecodable:
     """What a guarded handler receives in place of a request that did not parse."""
 
-    type_name: str  # the expected message type, e.g. "tessera.v1.ChatRequest"
+    message: str  # the INVALID_ARGUMENT text
 
 
 def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     """`parse`, returning an Undecodable instead of raising (grpc would report UNKNOWN with
-    the exception's class and text)."""
+    the exception's class and text): a RequestRefused keeps its text, anything else says
+    "request is not a valid <message type>"."""
     descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
-    type_name = str(getattr(descriptor, "full_name", "message"))
+    generic = f"request is not a valid {getattr(descriptor, 'full_name', 'message')}"
 
     def deserialize(raw: bytes) -> Any:
         try:
             return parse(raw)
+        except RequestRefused as exc:
+            return Undecodable(str(exc))
         except Exception:
-            return Undecodable(type_name)
+            return Undecodable(generic)
 
     return deserialize
 
 
 async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
     if isinstance(request, Undecodable):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {request.type_name}"
-        )
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
 def _guard_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
