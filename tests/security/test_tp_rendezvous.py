@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import subprocess
@@ -34,7 +33,7 @@ from services.pb import rendezvous_pb2_grpc as pb_grpc
 from services.security import TOKEN_ENV
 from tests.conftest import free_port
 from tests.security.test_internal_auth import pki  # noqa: F401 (a fixture)
-from tests.stack.harness import REPO, start_stack
+from tests.stack.harness import REPO, beyond_loopback, start_stack, tree_sockets
 from worker_service.rendezvous import MAX_STORE_BYTES, RemoteStore, StoreServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,24 +42,6 @@ RIGHT, WRONG, NONE = SecurityConfig(token=TOKEN), SecurityConfig(token="guess"),
 
 
 # ----------------------------------------------------------------- local ranks
-def _is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip.split("%")[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
-
-
-def _sockets(pid: int) -> list[tuple[str, str, str]]:
-    """(process name, local address, remote address or LISTEN) of every inet socket."""
-    proc = psutil.Process(pid)
-    name = " ".join(proc.cmdline()[1:4])
-    return [
-        (name, f"{c.laddr.ip}:{c.laddr.port}", "LISTEN" if not c.raddr else c.raddr.ip)
-        for c in proc.net_connections(kind="inet")
-        if c.laddr
-    ]
-
-
 @pytest.mark.slow
 def test_serve_tp2_listens_and_talks_on_loopback_only() -> None:
     stack = start_stack("--tensor-parallel-size", "2", "--kv-cache-memory", "512MiB")
@@ -75,9 +56,8 @@ def test_serve_tp2_listens_and_talks_on_loopback_only() -> None:
             },
             timeout=120,
         )
-        launcher = psutil.Process(stack.process.pid)
-        tree = [launcher, *launcher.children(recursive=True)]
-        sockets = [s for p in tree for s in _sockets(p.pid)]
+        sockets = tree_sockets(stack.process.pid)
+        tree = psutil.Process(stack.process.pid).children(recursive=True)
         ranks = [p.cmdline() for p in tree if "worker_service.tp_worker" in p.cmdline()]
     finally:
         assert stack.stop() == 0, stack.output()[-3000:]
@@ -85,10 +65,8 @@ def test_serve_tp2_listens_and_talks_on_loopback_only() -> None:
     for name, local, remote in sockets:
         print(f"{name:45} {local:28} {remote}")
     assert len(ranks) == 1 and len(sockets) >= 6
-    exposed = [s for s in sockets if not _is_loopback(s[1].rsplit(":", 1)[0])]
-    assert exposed == [], f"listening beyond loopback: {exposed}"
-    outside = [s for s in sockets if s[2] != "LISTEN" and not _is_loopback(s[2])]
-    assert outside == [], f"connected beyond loopback: {outside}"
+    exposed = beyond_loopback(sockets)
+    assert exposed == [], f"listening on or connected beyond loopback: {exposed}"
     store = Path(ranks[0][ranks[0].index("--rendezvous-file") + 1])
     assert not store.parent.exists(), "the rendezvous directory outlived the group's forming"
 

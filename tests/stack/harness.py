@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from services.config import SecurityConfig
 from services.security import TOKEN_ENV
@@ -133,3 +135,34 @@ def wait_healthy(
             pass
         time.sleep(interval_s)
     return False
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def tree_sockets(pid: int) -> list[tuple[str, str, str]]:
+    """(process, local address, remote address or LISTEN) of every inet socket of `pid` and
+    its descendants."""
+    root = psutil.Process(pid)
+    sockets = []
+    for proc in [root, *root.children(recursive=True)]:
+        name = " ".join(proc.cmdline()[1:4])
+        sockets += [
+            (name, f"{c.laddr.ip}:{c.laddr.port}", "LISTEN" if not c.raddr else c.raddr.ip)
+            for c in proc.net_connections(kind="inet")
+            if c.laddr
+        ]
+    return sockets
+
+
+def beyond_loopback(sockets: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The sockets of `tree_sockets` that listen on or talk to a non-loopback address."""
+    return [
+        s
+        for s in sockets
+        if not _is_loopback(s[1].rsplit(":", 1)[0]) or (s[2] != "LISTEN" and not _is_loopback(s[2]))
+    ]

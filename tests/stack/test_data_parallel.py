@@ -34,7 +34,7 @@ from services.healthcheck import http_healthy
 from services.security import TOKEN_ENV
 from tessera.launcher import terminate
 from tests.conftest import free_port
-from tests.stack.harness import REPO
+from tests.stack.harness import REPO, beyond_loopback, tree_sockets
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +45,15 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DPServer]:
     server = start_dp_server(2, "affinity", SERVE_ARGS, log=log)
     yield server
     server.stop()
+
+
+def test_every_replica_port_is_loopback_only(dp: DPServer) -> None:
+    """Issue 25 (what held): gateway, both schedulers and both workers listen on and talk to
+    loopback only."""
+    sockets = tree_sockets(dp.process.pid)
+    listening = [s for s in sockets if s[2] == "LISTEN"]
+    assert len(listening) >= 5, sockets  # a gateway, 2 schedulers, 2 workers at least
+    assert beyond_loopback(sockets) == []
 
 
 def test_affinity_beats_round_robin_and_distinct_prompts_spread(
