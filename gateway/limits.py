@@ -11,6 +11,7 @@ number of fields; long strings are skipped, not read.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -112,7 +113,7 @@ def check_wire(raw: bytes, descriptor: Descriptor, invalid: str) -> None:
                 if read > MAX_WIRE_FIELDS:
                     raise RequestRefused(f"the request holds over {MAX_WIRE_FIELDS} fields")
                 pos, inner = _skip(raw, pos, key & 7)
-                field = desc.fields_by_number.get(key >> 3)
+                field = _fields_by_number(desc).get(key >> 3)
                 if field is None:
                     continue
                 path = prefix + field.name
@@ -123,6 +124,12 @@ def check_wire(raw: bytes, descriptor: Descriptor, invalid: str) -> None:
                 raise RequestRefused(invalid)
     except IndexError:
         raise RequestRefused(invalid) from None
+
+
+@functools.cache
+def _fields_by_number(descriptor: Descriptor) -> dict[int, Any]:
+    """The message's fields by number (protobuf builds this dict anew on every access)."""
+    return dict(descriptor.fields_by_number)
 
 
 def _count(counts: Counter[str], path: str) -> None:
