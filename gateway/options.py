@@ -40,6 +40,7 @@ class TextOptions:
     skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (vLLM's field)
     priority: int = 0
     structured_output: StructuredOutputParams | None = None  # a checked decoding constraint
     timeout_s: float | None = None  # the client's deadline in seconds; None: the server's
@@ -60,7 +61,8 @@ class TextOptions:
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-            logprobs=self.logprobs, prompt_logprobs=self.logprobs if prompt_logprobs else None,
+            logprobs=self.logprobs,
+            prompt_logprobs=_most(self.logprobs if prompt_logprobs else None, self.prompt_logprobs),
             structured_output=self.structured_output,
         )  # fmt: skip
 
@@ -221,3 +223,8 @@ def media_flags(args: argparse.Namespace) -> list[str]:
     if args.allowed_media_networks:
         flags += ["--allowed-media-networks", *args.allowed_media_networks]
     return flags
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    """The larger of two optional top-k asks; None when neither asks."""
+    return b if a is None else a if b is None else max(a, b)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
@@ -264,11 +265,18 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's field
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
     def _logprobs_allowed(cls, value: int | None, info: ValidationInfo) -> int | None:
         return within_limit(value, info, "max_logprobs")
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> CompletionRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("'prompt_logprobs' are not available when 'stream' is true")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -289,7 +297,8 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
     def options(self) -> TextOptions:
-        return self.text_options(_or(self.max_tokens, 16), self.logprobs)
+        options = self.text_options(_or(self.max_tokens, 16), self.logprobs)
+        return replace(options, prompt_logprobs=self.prompt_logprobs)
 
 
 class TokenizeRequest(Strict):

@@ -166,15 +166,16 @@ def completion_response(
         logprobs = (
             completion_logprobs(tok, collector.job, c, bool(prefix)) if want_logprobs else None
         )
-        choices.append(
-            {
-                "index": c.index,
-                "text": prefix + c.text,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-        )
+        choice = {
+            "index": c.index,
+            "text": prefix + c.text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if collector.job.options.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, collector.job, c)
+        choices.append(choice)
     return {
         "id": rid,
         "object": "text_completion",
@@ -210,6 +211,24 @@ def completion_logprobs(
         plp = missing + plp[-len(prompt) :]
         entries, ids = plp + entries, list(prompt) + ids
     return _legacy_logprobs(tok, ids, entries, offset)
+
+
+def vllm_prompt_logprobs(
+    tok: Tokenizer, job: GenerateJob, choice: ChoiceResult
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per prompt token
+    {token id: {logprob, rank, decoded_token}}, the prompt's token first, then the top-k."""
+    prompt = job.prompts[choice.index // job.options.n]
+    entries = list(choice.prompt_logprobs)[-(len(prompt) - 1) :] if len(prompt) > 1 else []
+    out: list[dict[str, dict[str, Any]] | None] = [None] * (len(prompt) - len(entries))
+    for entry in entries:
+        out.append(
+            {
+                str(t): {"logprob": _finite(lp), "rank": rank, "decoded_token": tok.token_text(t)}
+                for t, (lp, rank) in entry.ranked().items()
+            }
+        )
+    return out
 
 
 def _legacy_logprobs(

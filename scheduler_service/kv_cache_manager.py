@@ -39,9 +39,11 @@ class KVCacheManager:
 
         At least the last token is always left to compute (its logits are needed),
         so at most (num_tokens - 1) // block_size blocks match. Returns the blocks
-        and the number of tokens they hold. Nothing is reserved yet.
+        and the number of tokens they hold. Nothing is reserved yet. A request that
+        asks for prompt logprobs reads no hits (as in vLLM): every prompt position's
+        logits must be computed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = update_block_hashes(request, self.block_size)

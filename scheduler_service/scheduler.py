@@ -159,6 +159,8 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_inflight_tokens = request.num_output_placeholders = 0  # its result is dropped
+        if not request.num_output_tokens:  # mid-prefill: the prompt logprobs are computed afresh
+            request.pending_prompt_logprobs = []
         request.status = RequestStatus.PREEMPTED
         self.waiting.prepend(request)
         self.num_preemptions += 1
@@ -219,10 +221,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Commit a finished step: progress, sampled tokens, stops; returns the updates to publish."""
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled, strict=False))
-        for prompt_lp in runner_output.prompt_logprobs:
-            request = self.requests.get(prompt_lp.request_id)
-            if request is not None:
-                request.pending_prompt_logprobs.extend(prompt_lp.logprobs)
+        prompt_lps = {lp.request_id: lp.logprobs for lp in runner_output.prompt_logprobs}
         errors = runner_output.request_errors
         outputs = []
         get_request, get_sampled = self.requests.get, sampled.get
@@ -235,6 +234,8 @@ class Scheduler:
             if errors and request_id in errors:
                 outputs.append(self._fail(request, errors[request_id]))
                 continue
+            if prompt_lps and request_id in prompt_lps:
+                request.pending_prompt_logprobs.extend(prompt_lps[request_id])
             output = self._commit(request, num_tokens, get_sampled(request_id))
             if output is not None:
                 outputs.append(output)

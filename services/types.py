@@ -184,6 +184,16 @@ class TokenLogprobs:
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
 
+    def ranked(self) -> dict[int, tuple[float, int]]:
+        """{token id: (logprob, rank)}: the chosen token first with its own rank, then the
+        top-k ranked 1..k, each token once (vLLM's order)."""
+        out = {self.token_id: (self.logprob, self.rank)}
+        for rank, (token_id, logprob) in enumerate(
+            zip(self.top_token_ids, self.top_logprobs, strict=True), start=1
+        ):
+            out.setdefault(token_id, (logprob, rank))
+        return out
+
 
 @dataclass(slots=True)
 class RequestTimestamps:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from services.types import SamplingParams, StructuredOutputParams, StructuredOutputsParams
+from tessera.logprobs import Logprob
 
 if TYPE_CHECKING:
     from tessera.llm import LLM, CompletionOutput, RequestOutput
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",

@@ -33,7 +33,9 @@ from services.types import (
     FinishReason,
     MultiModalInput,
     SamplingParams,
+    TokenLogprobs,
 )
+from tessera.logprobs import PositionLogprobs, position_logprobs, prompt_logprobs
 from tessera.prompts import Prompt, parse_prompts
 
 TQDM_MIN_PROMPTS = 16  # progress bar from this many prompts on, unless told otherwise
@@ -49,6 +51,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort" or "error"
     stop_reason: int | None = None  # the stop token id that ended it, if one did
     error: str = ""
+    logprobs: list[PositionLogprobs] | None = None  # per output token, when asked
 
 
 @dataclass
@@ -61,6 +64,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # when asked; [0] is None
 
 
 @dataclass
@@ -68,6 +72,8 @@ class _Pending:
     """Tokens gathered for one request while the engine runs."""
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     last: EngineCoreOutput | None = None
 
 
@@ -185,8 +191,8 @@ class LLM:
                 for out in self.engine.step():
                     bar.update(_collect(pending[out.request_id], out))
         return [
-            self._result(rid, ids, text, pending[rid])
-            for rid, ids, text in zip(request_ids, prompt_ids, texts, strict=True)
+            self._result(rid, ids, text, p, pending[rid])
+            for rid, ids, text, p in zip(request_ids, prompt_ids, texts, params, strict=True)
         ]
 
     def _check(self, prompt_ids: list[int], params: SamplingParams, index: int) -> None:
@@ -209,10 +215,16 @@ class LLM:
         return request_id
 
     def _result(
-        self, request_id: str, prompt_ids: list[int], text: str | None, got: _Pending
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        text: str | None,
+        params: SamplingParams,
+        got: _Pending,
     ) -> RequestOutput:
         last = got.last
         assert last is not None and last.finished, f"request {request_id} did not finish"
+        decode = self.tokenizer.token_text
         completion = CompletionOutput(
             index=0,
             text=self.tokenizer.decode(got.token_ids),
@@ -221,7 +233,12 @@ class LLM:
             stop_reason=last.stop_reason,
             error=last.error,
         )
-        return RequestOutput(request_id, text, prompt_ids, [completion], last.num_cached_tokens)
+        if params.logprobs is not None:
+            completion.logprobs = [position_logprobs(e, decode) for e in got.logprobs]
+        result = RequestOutput(request_id, text, prompt_ids, [completion], last.num_cached_tokens)
+        if params.prompt_logprobs is not None:
+            result.prompt_logprobs = prompt_logprobs(got.prompt_logprobs, decode)
+        return result
 
     def shutdown(self) -> None:
         """Release the engine and the model."""
@@ -258,6 +275,8 @@ class _Images:
 def _collect(pending: _Pending, out: EngineCoreOutput) -> int:
     """Add one engine update; returns 1 when it finished the request."""
     pending.token_ids.extend(out.new_token_ids)
+    pending.logprobs.extend(out.new_logprobs)
+    pending.prompt_logprobs.extend(out.prompt_logprobs)
     pending.last = out
     return 1 if out.finished else 0
 

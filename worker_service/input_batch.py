@@ -81,7 +81,7 @@ class InputBatch:
             new.num_computed_tokens,
             len(new.block_ids),
             new.sampling_params,
-            new.resumed_from_preemption,
+            new.resumed_from_preemption and bool(new.output_token_ids),  # prefill was complete
         )
         self.requests[new.request_id] = state
         return state

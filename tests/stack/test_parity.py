@@ -86,3 +86,45 @@ def test_http_offline_and_hf_agree_in_float32(fp32_stack: Stack, default_model_d
     assert "Paris" in via_hf[0]
     for question, a, b, c in zip(QUESTIONS, via_http, via_offline, via_hf, strict=True):
         assert a == b == c, f"{question!r}: http={a!r} offline={b!r} hf={c!r}"
+
+
+def test_completion_prompt_logprobs_equal_hf(fp32_stack: Stack, default_model_dir: Path) -> None:
+    """vLLM's `prompt_logprobs` field and `echo` + `logprobs`, through the HTTP stack."""
+    import torch
+
+    from tests.hf_reference import hf_logits
+
+    client = openai.OpenAI(base_url=f"{fp32_stack.base_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    text = QUESTIONS[7]
+    reply = client.completions.create(
+        model=model, prompt=text, max_tokens=2, temperature=0, logprobs=1, echo=True,
+        extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    plp = (choice.model_extra or {})["prompt_logprobs"]
+    prompt = _prompt_ids(fp32_stack, text)
+    assert plp[0] is None and len(plp) == len(prompt) > 20
+    assert [int(next(iter(p))) for p in plp[1:]] == prompt[1:]  # the prompt's token leads
+    ref = torch.log_softmax(hf_logits(default_model_dir, prompt), dim=-1)  # [n, V]
+    echoed = choice.logprobs.token_logprobs if choice.logprobs else []
+    for j in range(1, len(prompt)):
+        entry = plp[j]
+        assert entry[str(prompt[j])]["logprob"] == pytest.approx(
+            ref[j - 1, prompt[j]].item(), abs=1e-4
+        )
+        top = ref[j - 1].topk(3).indices.tolist()
+        assert {int(t) for t, v in entry.items() if v["rank"] <= 3} >= set(top)
+        assert echoed[j] == pytest.approx(ref[j - 1, prompt[j]].item(), abs=1e-4)  # echo agrees
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(
+            model=model, prompt=text, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+
+
+def _prompt_ids(stack: Stack, text: str) -> list[int]:
+    import httpx
+
+    reply = httpx.post(f"{stack.base_url}/tokenize", json={"prompt": text}, timeout=10)
+    reply.raise_for_status()
+    return list(reply.json()["tokens"])
