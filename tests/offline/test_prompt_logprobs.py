@@ -4,6 +4,7 @@ recomputed after a preemption; sampled-token `logprobs` come back in vLLM's shap
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def test_preempted_prefills_report_each_position_once(default_model_dir: Path) -
     llm = _llm(kv_cache_memory="12MiB", max_num_batched_tokens=32)  # 16 blocks of 16 tokens
     try:
         texts = [t * 2 for t in TEXTS]  # ~40-70 tokens each: the pool cannot hold all four
-        outputs = llm.generate(texts, SamplingParams(**{**_fields(PARAMS), "max_tokens": 24}))
+        outputs = llm.generate(texts, dataclasses.replace(PARAMS, max_tokens=24))
         assert llm.engine.scheduler.num_preemptions > 0
         for out in outputs:
             _check_against_hf(default_model_dir, out)
@@ -116,7 +117,3 @@ def test_sampled_logprobs_come_in_vllm_shape(whole: LLM, default_model_dir: Path
         assert isinstance(first[1], Logprob) and first[1].decoded_token
         row = ref[len(out.prompt_token_ids) + i - 1]
         assert first[1].logprob == pytest.approx(row[token_id].item(), abs=1e-4)
-
-
-def _fields(params: SamplingParams) -> dict[str, object]:
-    return {name: getattr(params, name) for name in params.__dataclass_fields__}

@@ -107,7 +107,7 @@ def test_completion_prompt_logprobs_equal_hf(fp32_stack: Stack, default_model_di
     assert plp[0] is None and len(plp) == len(prompt) > 20
     assert [int(next(iter(p))) for p in plp[1:]] == prompt[1:]  # the prompt's token leads
     ref = torch.log_softmax(hf_logits(default_model_dir, prompt), dim=-1)  # [n, V]
-    echoed = choice.logprobs.token_logprobs if choice.logprobs else []
+    echoed = (choice.logprobs.token_logprobs if choice.logprobs else None) or []
     for j in range(1, len(prompt)):
         entry = plp[j]
         assert entry[str(prompt[j])]["logprob"] == pytest.approx(
