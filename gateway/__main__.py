@@ -11,6 +11,7 @@ from gateway.options import add_limit_args, add_media_args, limits_from_args
 from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, ROUTINGS, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
+from services.hub import add_hub_args, hub_from_args
 from services.log import setup_logging
 from services.security import API_KEY_ENV, add_security_args, security_from_args
 
@@ -31,8 +32,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="how requests spread over engine replicas",
     )
     p.add_argument(
-        "--model", default=DEFAULT_MODEL, help="model dir for the tokenizer ('default': embedded)"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model dir or Hub id (org/name) for the tokenizer ('default': embedded)",
     )
+    add_hub_args(p)
     p.add_argument(
         "--served-model-name", default="", help="name clients use; empty: the scheduler's"
     )
@@ -77,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         extra_scheduler_addresses=tuple(args.scheduler[1:]),
         routing=args.routing,
         model=args.model,
+        hub=hub_from_args(args),
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,

@@ -50,7 +50,8 @@ class GatewayServer:
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer or Tokenizer.load(config.model)
+        model_dir = resolve_model(config.model, config.hub)
+        self.tokenizer = tokenizer or Tokenizer.load(model_dir)
         self.engine = EngineRouter(config.scheduler_addresses, RoutingPolicy(config.routing))
         self.serving = Serving(
             self.engine,
@@ -61,7 +62,7 @@ class GatewayServer:
             config.max_inflight_bytes,
             config.limits,
         )
-        self.serving.images = ImageService.load(config, resolve_model(config.model))
+        self.serving.images = ImageService.load(config, model_dir)
         self.app = build_app(config, self.serving)
         self.grpc: GrpcServer | None = None
         self.http: _DrainingUvicorn | None = None

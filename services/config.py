@@ -51,10 +51,20 @@ def _is_network(text: str) -> bool:
 
 
 @dataclass(frozen=True)
+class HubConfig:
+    """Where a model named by a Hugging Face Hub id ("org/name") comes from."""
+
+    # Branch, tag or commit of the Hub repository; empty: "main".
+    revision: str = ""
+    # The Hugging Face cache to look in and download into; empty: HF_HUB_CACHE / HF_HOME's.
+    download_dir: str = ""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model to serve and in what precision."""
 
-    # HF directory, or "default" for the embedded SmolLM2-135M-Instruct.
+    # HF directory, Hub id ("org/name"), or "default" for the embedded SmolLM2-135M-Instruct.
     model: str = DEFAULT_MODEL
     # Name the API serves it under; empty means derived from the directory.
     served_model_name: str = ""
@@ -73,6 +83,8 @@ class ModelConfig:
     device: str = "auto"
     # Seed for anything random at start (not per-request sampling).
     seed: int = 0
+    # Revision and cache of a Hub id.
+    hub: HubConfig = field(default_factory=HubConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must name a directory or 'default'")
@@ -236,8 +248,10 @@ class GatewayConfig:
 
     # Address of the scheduler's EngineCore service.
     scheduler_address: str = "127.0.0.1:50051"
-    # Model directory for the tokenizer and chat template ("default": the embedded model).
+    # Model directory or Hub id for the tokenizer and chat template ("default": embedded).
     model: str = DEFAULT_MODEL
+    # Revision and cache of a Hub id.
+    hub: HubConfig = field(default_factory=HubConfig)
     # Name clients must use in "model"; empty means what the scheduler reports.
     served_model_name: str = ""
     host: str = "127.0.0.1"

@@ -19,7 +19,8 @@ from typing import Any
 
 import platformdirs
 
-from services.config import DEFAULT_MODEL
+from services.config import DEFAULT_MODEL, HubConfig
+from services.hub import is_hub_id, resolve_hub_model
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,18 @@ def gguf_path() -> Path:
     return path
 
 
-def resolve_model(model: str) -> Path:
-    """Turn `--model` into a local HF directory: "default" is converted on first use."""
+def resolve_model(model: str, hub: HubConfig | None = None) -> Path:
+    """Turn `--model` into a local HF directory: "default" is converted on first use, a Hub
+    id ("org/name") comes from the Hugging Face cache or is downloaded (services.hub)."""
     if model != DEFAULT_MODEL:
         path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{model!r} is not a model directory (no config.json)")
-        return path
+        if (path / "config.json").is_file():
+            return path
+        if is_hub_id(model):
+            return resolve_hub_model(model, hub or HubConfig())
+        raise FileNotFoundError(
+            f"{model!r} is neither a model directory (no config.json) nor a Hub id (org/name)"
+        )
     target = cache_dir() / MODEL_DIR_NAME
     if not (target / "config.json").is_file():
         convert_default_model(target)
@@ -67,8 +73,10 @@ def resolve_model(model: str) -> Path:
 
 
 def served_name(model: str) -> str:
-    """The name the API serves `model` under."""
-    return SERVED_NAME if model == DEFAULT_MODEL else Path(model).expanduser().resolve().name
+    """The name the API serves `model` under: a Hub id is served as itself (as vLLM does)."""
+    if model == DEFAULT_MODEL:
+        return SERVED_NAME
+    return model if is_hub_id(model) else Path(model).expanduser().resolve().name
 
 
 def convert_default_model(target: Path) -> None:

@@ -9,6 +9,7 @@ import sys
 
 from gateway.options import add_limit_args, add_media_args, limit_flags, media_flags
 from services.default_model import served_name
+from services.hub import add_hub_args, hub_from_args, is_hub_id, resolve_hub_model
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
 from tessera.launcher import (
@@ -34,8 +35,9 @@ def _serve_parser(
     p.add_argument(
         "--model",
         default="default",
-        help="HF model directory, or 'default' (SmolLM2-135M-Instruct)",
+        help="HF model directory, Hub id (org/name), or 'default' (SmolLM2-135M-Instruct)",
     )
+    add_hub_args(p)
     p.add_argument(
         "--served-model-name", default="", help="name clients use (default: from the model)"
     )
@@ -104,13 +106,14 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     py = sys.executable
     replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
     common = ["--log-level", args.log_level]
+    model, name = _model_source(args)
     env = {TOKEN_ENV: token}
     services: list[Service] = []
     for replica in replicas:
         worker_addr = f"127.0.0.1:{replica.worker_port}"
         scheduler_addr = f"127.0.0.1:{replica.scheduler_port}"
         worker = [
-            py, "-m", "worker_service", "--model", args.model, "--dtype", args.dtype,
+            py, "-m", "worker_service", "--model", model, "--served-model-name", name, "--dtype", args.dtype,
             "--bf16-gemm", args.bf16_gemm, *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
             "--host", "127.0.0.1", "--port", str(replica.worker_port), "--block-size", str(args.block_size),
             "--kv-cache-memory", replica.kv_cache_memory, "--max-model-len", str(args.max_model_len),
@@ -132,8 +135,8 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         ]  # fmt: skip
     schedulers = [f"--scheduler=127.0.0.1:{r.scheduler_port}" for r in replicas]
     gateway = [
-        py, "-m", "gateway", *schedulers, "--routing", args.routing, "--model", args.model,
-        "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
+        py, "-m", "gateway", *schedulers, "--routing", args.routing, "--model", model,
+        "--served-model-name", name, "--host", args.host, "--port", str(args.port),
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *limit_flags(args), *media_flags(args),
@@ -147,6 +150,15 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     return services
 
 
+def _model_source(args: argparse.Namespace) -> tuple[str, str]:
+    """--model and --served-model-name for the services: a Hub id is found in the cache or
+    downloaded here, once, and the services load the snapshot under the id's name."""
+    if not is_hub_id(args.model):
+        return args.model, args.served_model_name
+    snapshot = resolve_hub_model(args.model, hub_from_args(args))
+    return str(snapshot), args.served_model_name or args.model
+
+
 def engine(args: argparse.Namespace) -> int:
     """`tessera engine`: one engine replica (worker + scheduler) supervised, no gateway; the
     scheduler listens on --host:--scheduler-port, the worker on loopback. A container of the
@@ -156,7 +168,7 @@ def engine(args: argparse.Namespace) -> int:
         return 2
     try:
         services = build_services(args, internal_token())[:-1]  # all but the gateway
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"tessera: {exc}", file=sys.stderr)
         return 2
     address = f"{args.host}:{args.scheduler_port}"
@@ -170,7 +182,7 @@ def engine(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     try:
         services = build_services(args, internal_token())
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"tessera: {exc}", file=sys.stderr)
         return 2
     url = f"http://{args.host}:{args.port}/v1"

@@ -19,7 +19,9 @@ from gateway.multimodal import ImageLimits, MultiModalProcessor, PreparedImages,
 from gateway.tokenizer import ChatTurn, Tokenizer
 from scheduler_service.engine import EngineCore
 from services.config import (
+    DEFAULT_MODEL,
     CacheConfig,
+    HubConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -95,8 +97,14 @@ class LLM:
         num_threads: int = 0,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        revision: str | None = None,
+        download_dir: str | None = None,
     ) -> None:
         from worker_service.worker import Worker  # torch comes in with the worker only
+
+        model_dir = resolve_model(model, HubConfig(revision or "", download_dir or ""))
+        if model != DEFAULT_MODEL:
+            model = str(model_dir)  # a Hub id is looked up (or downloaded) once
 
         cache = CacheConfig(
             block_size=block_size,
@@ -117,8 +125,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
         self.engine = EngineCore(scheduler, cache, [self.worker])
-        self.tokenizer = Tokenizer.load(model)
-        self.mm_processor = MultiModalProcessor.load(resolve_model(model))  # None: text-only
+        self.tokenizer = Tokenizer.load(model_dir)
+        self.mm_processor = MultiModalProcessor.load(model_dir)  # None: text-only
         self.image_limits = ImageLimits()
         self._next_id = 0
 

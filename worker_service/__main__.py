@@ -9,6 +9,7 @@ import signal
 
 from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, parse_bytes
 from services.grpc_utils import set_internal_security
+from services.hub import add_hub_args, hub_from_args
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
 from worker_service.cpu_kernels import add_kernel_args
@@ -22,8 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="default",
-        help="HF model directory, or 'default' (SmolLM2-135M-Instruct)",
+        help="HF model directory, Hub id (org/name), or 'default' (SmolLM2-135M-Instruct)",
     )
+    add_hub_args(p)
     p.add_argument("--served-model-name", default="", help="name reported in ModelInfo")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     add_kernel_args(p)
@@ -88,6 +90,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             max_model_len=args.max_model_len,
             device=args.device,
             seed=args.seed,
+            hub=hub_from_args(args),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -322,7 +322,10 @@ def start_group(config: WorkerConfig, device: torch.device) -> TPGroup:
     from worker_service.models.config import read_model_config
 
     # fail here, before any rank starts, when the model cannot be split
-    check_splittable(read_model_config(resolve_model(config.model.model)), par.tensor_parallel_size)
+    check_splittable(
+        read_model_config(resolve_model(config.model.model, config.model.hub)),
+        par.tensor_parallel_size,
+    )
     how = _rank0_rendezvous(par)
     children = [
         spawn_rank(config, rank, how.path)

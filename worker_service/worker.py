@@ -53,7 +53,7 @@ class Worker:
             configure_threads(
                 config.num_threads, self.tp.size if config.parallel.spawn_ranks else 1
             )
-        model_dir = resolve_model(config.model.model)
+        model_dir = resolve_model(config.model.model, config.model.hub)
         self.runner = ModelRunner(config, model_dir, self.device, self.tp)
         arch = self.runner.model.config
         self.model_info = ModelInfo(

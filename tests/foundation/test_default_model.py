@@ -62,5 +62,5 @@ def test_model_paths_resolve(tmp_path: Path, default_model_dir: Path) -> None:
     assert resolve_model("default") == default_model_dir
     assert resolve_model(str(default_model_dir)) == default_model_dir
     assert served_name("default") == "SmolLM2-135M-Instruct"
-    with pytest.raises(FileNotFoundError, match="not a model directory"):
+    with pytest.raises(FileNotFoundError, match="neither a model directory"):
         resolve_model(str(tmp_path))
