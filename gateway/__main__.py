@@ -7,7 +7,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 
-from gateway.options import add_limit_args, add_media_args, limits_from_args
+from gateway.options import add_chat_args, add_limit_args, add_media_args, limits_from_args
 from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, ROUTINGS, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
@@ -69,6 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--drain-timeout", type=float, default=30.0, help="seconds streams may finish on SIGTERM"
     )
     add_limit_args(p)
+    add_chat_args(p)
     add_media_args(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_args(p)  # the gateway's channel to the scheduler
@@ -101,6 +102,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         allowed_media_networks=tuple(args.allowed_media_networks),
         image_transport=args.image_transport,
         limits=limits_from_args(args),
+        chat_template=args.chat_template,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

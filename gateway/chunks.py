@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from gateway import responses as rs
 from gateway.output import ChoiceDelta
+from gateway.reasoning import ReasoningParser, ReasoningStream
 from gateway.serving import GenerateJob
 from gateway.tokenizer import Tokenizer
 from gateway.tools import ToolPlan, ToolStream
@@ -36,31 +37,34 @@ class ChatChunks:
         logprobs: bool,
         n: int = 1,
         plan: ToolPlan | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.rid, self.model, self.tok, self.logprobs = rid, model, tok, logprobs
         self.n = n
         self.created = int(time.time())
         self.tools = {i: ToolStream(plan) for i in range(n)} if plan else {}
+        self.thoughts = {i: ReasoningStream(reasoning) for i in range(n)} if reasoning else {}
 
     def opening(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
         return [self._chunk([rs.chat_chunk_choice(i, role, None, None)]) for i in range(self.n)]
 
     def build(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
-        if delta.index in self.tools:
-            return self._tool_chunks(delta, self.tools[delta.index])
-        if not (delta.text or delta.logprobs or delta.finish_reason):
-            return []
-        content = {"content": delta.text} if delta.text else {}
-        return [self._choice(delta, content, delta.finish_reason)]
-
-    def _tool_chunks(self, delta: ChoiceDelta, stream: ToolStream) -> list[dict[str, Any]]:
-        parts = stream.feed(delta.text)
-        finish = delta.finish_reason
-        if finish is not None:
-            rest, called = stream.finish()
-            parts += rest
-            finish = "tool_calls" if called and finish == "stop" else finish
+        """Reasoning deltas first (with --reasoning-parser), then content or tool calls."""
+        text, finish, parts = delta.text, delta.finish_reason, []
+        thoughts = self.thoughts.get(delta.index)
+        if thoughts is not None:
+            thought, text = _joined(thoughts.feed(text), thoughts.finish() if finish else None)
+            parts = [{"reasoning_content": thought}] if thought else []
+        tools = self.tools.get(delta.index)
+        if tools is not None:
+            parts += tools.feed(text)
+            if finish is not None:
+                rest, called = tools.finish()
+                parts += rest
+                finish = "tool_calls" if called and finish == "stop" else finish
+        elif text:
+            parts.append({"content": text})
         if not parts and (delta.logprobs or finish):
             parts = [{}]
         last = len(parts) - 1
@@ -127,3 +131,7 @@ class CompletionChunks:
         result = rs.completion_logprobs(self.tok, self.job, part, echo, offset)
         self.offsets[delta.index] = offset + sum(len(t) for t in result["tokens"])
         return result
+
+
+def _joined(first: tuple[str, str], more: tuple[str, str] | None) -> tuple[str, str]:
+    return first if more is None else (first[0] + more[0], first[1] + more[1])

@@ -83,6 +83,23 @@ def chat_size(messages: Any) -> Any:
     return messages
 
 
+# Arguments of apply_chat_template that the server sets itself, never chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+     "add_generation_prompt", "continue_final_message", "return_dict", "tokenizer_kwargs",
+     "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
+def template_kwargs(kwargs: Any) -> Any:
+    """Validator (before) of `chat_template_kwargs`: no argument the server sets itself."""
+    if isinstance(kwargs, dict):
+        taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if taken:
+            raise ValueError(f"'chat_template_kwargs' may not set {', '.join(taken)}")
+    return kwargs
+
+
 def capped_parser(message: Any) -> Callable[[bytes], Any]:
     """`message.FromString` after `check_wire`; RequestRefused for anything it refuses."""
     invalid = f"request is not a valid {message.DESCRIPTOR.full_name}"

@@ -10,6 +10,7 @@ against the caps and the processor's planned resize, before it is decoded.
 
 from __future__ import annotations
 
+import functools
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,10 +72,12 @@ class ImageService:
         turns: list[dict[str, Any]],
         tokenizer: Tokenizer,
         worker_host_id: str,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> PreparedImages:
         """Render `turns` (one per message) with image parts, then expand and export."""
         images = [await self._load(url, tokenizer) for url in _image_urls(messages)]
-        text = await tokenizer.run(tokenizer.render_chat, _with_image_parts(messages, turns))
+        render = functools.partial(tokenizer.render_chat, template_kwargs=template_kwargs)
+        text = await tokenizer.run(render, _with_image_parts(messages, turns))
         mode = self._mode(worker_host_id)
         return await tokenizer.run(self.processor.prepare, text, images, mode, False, self.limits)
 
@@ -102,11 +105,12 @@ async def prepare_chat_images(
     turns: list[dict[str, Any]],
     tokenizer: Tokenizer,
     worker_host_id: str,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> PreparedImages:
     """`service.prepare_chat`, or 400 when the served model takes no (or fewer) images."""
     check_image_count(service, model_name, len(_image_urls(messages)))
     assert service is not None  # a prompt with images, and check_image_count let it through
-    return await service.prepare_chat(messages, turns, tokenizer, worker_host_id)
+    return await service.prepare_chat(messages, turns, tokenizer, worker_host_id, template_kwargs)
 
 
 def check_image_count(service: ImageService | None, model_name: str, count: int) -> None:

@@ -9,7 +9,6 @@ A stream that fails later ends with an error event and `[DONE]`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -27,6 +26,7 @@ from gateway.http_io import ClientDisconnected, read_json, until_disconnect
 from gateway.media import prepare_chat_images
 from gateway.output import ChoiceDelta
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
+from gateway.reasoning import ReasoningParser
 from gateway.serving import GenerateJob, Serving
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 class OpenAIRoutes:
     """The two generate endpoints of the OpenAI API."""
 
-    def __init__(self, serving: Serving, max_body_bytes: int) -> None:
+    def __init__(self, serving: Serving, max_body_bytes: int, reasoning_parser: str = "") -> None:
         self.serving = serving
         self.max_body_bytes = max_body_bytes
+        self.reasoning_parser = reasoning_parser  # "" or a name in gateway.reasoning.PARSERS
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -54,6 +55,7 @@ class OpenAIRoutes:
                 self._chat_turns(req),
                 self.serving.tokenizer,
                 card.host_id,
+                req.chat_template_kwargs,
             )
         job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
         collector = rs.Collector(job)
@@ -64,12 +66,17 @@ class OpenAIRoutes:
             raise
         with_logprobs = options.logprobs is not None
         tok = self.serving.tokenizer
+        thinking = self._reasoning(req)
         if not req.stream:
             await until_disconnect(request, self._collect(collector, first, stream))
             return JSONResponse(
-                rs.chat_response(job.request_id, card.name, collector, tok, with_logprobs, plan)
+                rs.chat_response(
+                    job.request_id, card.name, collector, tok, with_logprobs, plan, thinking
+                )
             )
-        chunks = ChatChunks(job.request_id, card.name, tok, with_logprobs, options.n, plan)
+        chunks = ChatChunks(
+            job.request_id, card.name, tok, with_logprobs, options.n, plan, thinking
+        )
         events = self._events(job, collector, _prepend(first, stream), chunks, req.include_usage)
         return EventSourceResponse(events, sep="\n", ping=600)
 
@@ -101,19 +108,18 @@ class OpenAIRoutes:
         offered = req.tools if req.effective_tool_choice != "none" else None
         native = tools.template_takes_tools(tok.hf)
         turns = self._chat_turns(req)
+        template_tools = tools.template_tools(offered) if native and offered else None
         try:
-            if not (native and offered):
-                return await tok.encode_chat_async(turns)
-            render = functools.partial(
-                tok.hf.apply_chat_template,
-                tools=tools.template_tools(offered),
-                tokenize=False,
-                add_generation_prompt=True,
+            return await tok.encode_chat_async(
+                turns, tools=template_tools, template_kwargs=req.chat_template_kwargs
             )
-            text = await tok.run(render, turns)
-            return await tok.encode_async(str(text), False)
         except Exception as exc:  # jinja errors from the template (e.g. unsupported roles)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
+
+    def _reasoning(self, req: ChatCompletionRequest) -> ReasoningParser | None:
+        if not self.reasoning_parser:
+            return None
+        return ReasoningParser.for_request(self.reasoning_parser, req.chat_template_kwargs)
 
     def _chat_turns(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
         offered = req.tools if req.effective_tool_choice != "none" else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationInfo
 
 from gateway.errors import InvalidRequest
-from services.config import GatewayConfig, RequestLimits
+from services.config import REASONING_PARSERS, GatewayConfig, RequestLimits
 from services.types import SamplingParams, StructuredOutputParams
 
 
@@ -228,3 +228,20 @@ def media_flags(args: argparse.Namespace) -> list[str]:
 def _most(a: int | None, b: int | None) -> int | None:
     """The larger of two optional top-k asks; None when neither asks."""
     return b if a is None else a if b is None else max(a, b)
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """Chat rendering and output parsing options of the gateway (vLLM's flags); `tessera
+    serve` passes them on with `chat_flags`."""
+    p.add_argument("--chat-template", default="", help="Jinja chat template file to use instead")
+    p.add_argument(
+        "--reasoning-parser",
+        default="",
+        choices=["", *REASONING_PARSERS],
+        help="put thinking text into reasoning_content (qwen3, deepseek_r1); default off",
+    )
+
+
+def chat_flags(args: argparse.Namespace) -> list[str]:
+    """The `add_chat_args` options of `args` as gateway command-line flags."""
+    return ["--chat-template", args.chat_template, "--reasoning-parser", args.reasoning_parser]

@@ -26,7 +26,7 @@ from pydantic_core.core_schema import ValidationInfo
 
 from gateway.constraints import GuidedFields
 from gateway.errors import InvalidRequest
-from gateway.limits import chat_size, stop_size
+from gateway.limits import chat_size, stop_size, template_kwargs
 from gateway.options import TextOptions, within_limit
 from gateway.strict import Strict
 from services.config import RequestLimits
@@ -220,6 +220,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(template_kwargs)] = None
 
     @field_validator("top_logprobs")
     @classmethod

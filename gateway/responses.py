@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.output import ChoiceDelta
+from gateway.reasoning import ReasoningParser
 from gateway.serving import GenerateJob
 from gateway.tokenizer import Tokenizer
 from gateway.tools import ToolPlan
@@ -80,11 +81,12 @@ def chat_response(
     tok: Tokenizer,
     with_logprobs: bool,
     plan: ToolPlan | None = None,
+    reasoning: ReasoningParser | None = None,
 ) -> dict[str, Any]:
     choices = [
         {
             "index": c.index,
-            **chat_message(c, plan),
+            **chat_message(c, plan, reasoning),
             "logprobs": chat_logprobs(tok, c.logprobs) if with_logprobs else None,
             "stop_reason": c.stop_reason,
         }
@@ -100,13 +102,19 @@ def chat_response(
     }
 
 
-def chat_message(choice: ChoiceResult, plan: ToolPlan | None) -> dict[str, Any]:
-    """{"message", "finish_reason"} of one choice: its text, or its parsed tool calls.
+def chat_message(
+    choice: ChoiceResult, plan: ToolPlan | None, reasoning: ReasoningParser | None = None
+) -> dict[str, Any]:
+    """{"message", "finish_reason"} of one choice: its text, or its parsed tool calls; with a
+    reasoning parser, the thinking goes to `reasoning_content` and tools are parsed after it.
 
     A choice that called tools and ended normally finishes with "tool_calls".
     """
-    content, calls = plan.parse(choice.text) if plan else (choice.text, [])
+    thought, text = reasoning.split(choice.text) if reasoning else (None, choice.text)
+    content, calls = plan.parse(text) if plan and text is not None else (text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = thought
     if not calls:
         return {"message": message, "finish_reason": choice.finish_reason}
     message["tool_calls"] = [c.body() for c in calls]

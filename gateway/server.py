@@ -51,7 +51,7 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         model_dir = resolve_model(config.model, config.hub)
-        self.tokenizer = tokenizer or Tokenizer.load(model_dir)
+        self.tokenizer = tokenizer or Tokenizer.load(model_dir, chat_template=config.chat_template)
         self.engine = EngineRouter(config.scheduler_addresses, RoutingPolicy(config.routing))
         self.serving = Serving(
             self.engine,

@@ -49,12 +49,16 @@ class Tokenizer:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tokenize")
 
     @classmethod
-    def load(cls, model: str | Path, max_workers: int = 2) -> Tokenizer:
-        """Load the tokenizer of `model` ("default", a served name or a directory)."""
+    def load(cls, model: str | Path, max_workers: int = 2, chat_template: str = "") -> Tokenizer:
+        """Load the tokenizer of `model` ("default", a served name or a directory);
+        `chat_template`: a Jinja file that replaces the model's own template."""
         from transformers import AutoTokenizer
 
         path = resolve_model(str(model))
-        return cls(AutoTokenizer.from_pretrained(str(path)), max_workers)
+        hf = AutoTokenizer.from_pretrained(str(path))
+        if chat_template:
+            hf.chat_template = Path(chat_template).expanduser().read_text(encoding="utf-8")
+        return cls(hf, max_workers)
 
     def close(self) -> None:
         """Stop the thread pool (pending work finishes first)."""
@@ -91,13 +95,25 @@ class Tokenizer:
         self.check_text(text)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: Sequence[ChatTurn], add_generation_prompt: bool = True) -> str:
-        """The chat rendered by the model's template, as text."""
+    def render_chat(
+        self,
+        messages: Sequence[ChatTurn],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat rendered by the model's template, as text (`template_kwargs`: the
+        request's chat_template_kwargs, extra variables of the template)."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         self._check_messages(messages)
         text = self.hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages),
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
         )
         return str(text)
 
@@ -109,10 +125,11 @@ class Tokenizer:
             self.check_text(text, "a message")
 
     def encode_chat(
-        self, messages: Sequence[ChatTurn], add_generation_prompt: bool = True
+        self, messages: Sequence[ChatTurn], add_generation_prompt: bool = True, **render: Any
     ) -> list[int]:
-        """Token ids of the rendered chat (the template already holds any BOS)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+        """Token ids of the rendered chat (the template already holds any BOS); `render`:
+        render_chat's keyword arguments."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **render), False)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids` in one shot."""
@@ -139,8 +156,8 @@ class Tokenizer:
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.run(self.encode, text, add_special_tokens)
 
-    async def encode_chat_async(self, messages: Sequence[ChatTurn]) -> list[int]:
-        return await self.run(self.encode_chat, messages)
+    async def encode_chat_async(self, messages: Sequence[ChatTurn], **render: Any) -> list[int]:
+        return await self.run(functools.partial(self.encode_chat, messages, **render))
 
     async def decode_async(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return await self.run(self.decode, token_ids, skip_special_tokens)

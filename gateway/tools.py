@@ -24,6 +24,7 @@ from gateway.constraints import checked
 from gateway.errors import InvalidRequest
 from gateway.options import TextOptions
 from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from gateway.reasoning import partial_tag
 from services.types import StructuredOutputParams
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -239,10 +240,7 @@ def _fragment(index: int, arguments: str) -> dict[str, Any]:
 
 def _partial_tag(text: str) -> int:
     """Length of the longest end of `text` that may begin `<tool_call>`."""
-    for size in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-size:]):
-            return size
-    return 0
+    return partial_tag(text, OPEN_TAG)
 
 
 # -- prompt -----------------------------------------------------------------------------

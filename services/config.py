@@ -13,6 +13,7 @@ from typing import Literal
 
 from services.types import MAX_LOGPROBS, MAX_N
 
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # gateway.reasoning
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct (services.default_model)
 GiB = 1 << 30
 
@@ -298,6 +299,10 @@ class GatewayConfig:
     # Per-request budgets and deadline: --max-n, --max-logprobs, --max-request-tokens,
     # --request-timeout.
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # A Jinja chat template file used instead of the model's own; empty: the model's.
+    chat_template: str = ""
+    # Splits thinking into reasoning_content: "qwen3", "deepseek_r1"; empty: off.
+    reasoning_parser: str = ""
 
     @property
     def scheduler_addresses(self) -> tuple[str, ...]:
@@ -321,6 +326,10 @@ class GatewayConfig:
         for network in self.allowed_media_networks:
             _require(_is_network(network), f"allowed_media_networks: {network!r} is not a CIDR")
         _require(self.image_transport in ("auto", "shm", "inline"), "unknown image_transport")
+        _require(
+            self.reasoning_parser in ("", *REASONING_PARSERS),
+            f"reasoning_parser must be one of {REASONING_PARSERS}, not {self.reasoning_parser!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,14 @@ import os
 import secrets
 import sys
 
-from gateway.options import add_limit_args, add_media_args, limit_flags, media_flags
+from gateway.options import (
+    add_chat_args,
+    add_limit_args,
+    add_media_args,
+    chat_flags,
+    limit_flags,
+    media_flags,
+)
 from services.default_model import served_name
 from services.hub import add_hub_args, hub_from_args, is_hub_id, resolve_hub_model
 from services.security import API_KEY_ENV, TOKEN_ENV
@@ -86,6 +93,7 @@ def _serve_parser(
     )
     add_limit_args(p)
     add_media_args(p)
+    add_chat_args(p)
     p.add_argument("--log-level", default="INFO")
     add_data_parallel_args(p)
     p.add_argument(
@@ -140,6 +148,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *limit_flags(args), *media_flags(args),
+        *chat_flags(args),
         *common,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

@@ -156,14 +156,16 @@ class LLM:
         messages: Sequence[ChatTurn] | Sequence[Sequence[ChatTurn]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation or a list of them, with the model's chat template."""
+        """Answer one conversation or a list of them, with the model's chat template
+        (`chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False})."""
         chats = [messages] if messages and isinstance(messages[0], dict) else messages
         with _Images() as images:
             texts: list[str | None] = []
             for chat in chats:
                 turns, pil_images = chat_images(list(chat), self.image_limits)  # type: ignore[arg-type]
-                text = self.tokenizer.render_chat(turns)
+                text = self.tokenizer.render_chat(turns, template_kwargs=chat_template_kwargs)
                 prepared = self._with_images(text, pil_images, False)
                 images.add(prepared, [] if prepared else self.tokenizer.encode(text, False))
                 texts.append(text)
