@@ -104,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         limits=limits_from_args(args),
         chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -118,7 +118,7 @@ class BasicRoutes:
 def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
     """The ASGI app of one gateway."""
     basic = BasicRoutes(serving, config.max_body_bytes)
-    openai = OpenAIRoutes(serving, config.max_body_bytes, config.reasoning_parser)
+    openai = OpenAIRoutes(serving, config)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),

@@ -9,6 +9,7 @@ A stream that fails later ends with an error event and `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import responses as rs
-from gateway import tools
+from gateway import tool_parsers, tools
 from gateway.chunks import ChatChunks, ChunkBuilder, CompletionChunks
 from gateway.errors import ApiError, InvalidRequest, internal_error
 from gateway.http_io import ClientDisconnected, read_json, until_disconnect
@@ -28,6 +29,7 @@ from gateway.output import ChoiceDelta
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.reasoning import ReasoningParser
 from gateway.serving import GenerateJob, Serving
+from services.config import GatewayConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +37,21 @@ log = logging.getLogger(__name__)
 class OpenAIRoutes:
     """The two generate endpoints of the OpenAI API."""
 
-    def __init__(self, serving: Serving, max_body_bytes: int, reasoning_parser: str = "") -> None:
+    def __init__(self, serving: Serving, config: GatewayConfig) -> None:
         self.serving = serving
-        self.max_body_bytes = max_body_bytes
-        self.reasoning_parser = reasoning_parser  # "" or a name in gateway.reasoning.PARSERS
+        self.max_body_bytes = config.max_body_bytes
+        self.reasoning_parser = config.reasoning_parser  # "" or one of REASONING_PARSERS
+        self.tool_parser = config.tool_call_parser
+        if self.tool_parser == "auto":
+            self.tool_parser = tool_parsers.detect(serving.tokenizer.hf)
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
         req = parse(ChatCompletionRequest, body, self.serving.limits)
         options = tools.chat_options(req)
-        plan = tools.plan_for(req)
+        plan = tools.plan_for(req, self.tool_parser)
+        if plan is not None and self.tool_parser == "mistral":  # [TOOL_CALLS] is special
+            options = dataclasses.replace(options, skip_special_tokens=False)
         card = await self.serving.check_model(req.model)
         job = GenerateJob(rs.new_id("chatcmpl"), [], options)
         if req.has_images:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationInfo
 
 from gateway.errors import InvalidRequest
-from services.config import REASONING_PARSERS, GatewayConfig, RequestLimits
+from services.config import REASONING_PARSERS, TOOL_CALL_PARSERS, GatewayConfig, RequestLimits
 from services.types import SamplingParams, StructuredOutputParams
 
 
@@ -240,8 +240,17 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
         choices=["", *REASONING_PARSERS],
         help="put thinking text into reasoning_content (qwen3, deepseek_r1); default off",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *TOOL_CALL_PARSERS],
+        help="tool-call format of tool_choice auto; auto: from the model's tokenizer",
+    )
 
 
 def chat_flags(args: argparse.Namespace) -> list[str]:
     """The `add_chat_args` options of `args` as gateway command-line flags."""
-    return ["--chat-template", args.chat_template, "--reasoning-parser", args.reasoning_parser]
+    return [
+        "--chat-template", args.chat_template, "--reasoning-parser", args.reasoning_parser,
+        "--tool-call-parser", args.tool_call_parser,
+    ]  # fmt: skip

@@ -15,7 +15,6 @@ tool results as `<tool_response>` blocks.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -24,11 +23,9 @@ from gateway.constraints import checked
 from gateway.errors import InvalidRequest
 from gateway.options import TextOptions
 from gateway.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
-from gateway.reasoning import partial_tag
+from gateway.tool_parsers import FORMATS, ToolFormat, json_text
 from services.types import StructuredOutputParams
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-OPEN_TAG = "<tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 HERMES_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -62,31 +59,36 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     function: str | None = None  # the named function
     parallel: bool = True
+    parser: str = "hermes"  # the tool-call format of "auto" (gateway.tool_parsers)
+
+    @property
+    def format(self) -> ToolFormat:
+        return FORMATS[self.parser]
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output; content is None when only calls were made."""
         if self.mode == "named":
             assert self.function is not None
             return None, [_call(self.function, text)]
-        calls = _required_calls(text) if self.mode == "required" else _hermes_calls(text)
+        if self.mode == "required":
+            content, found = None, _required_calls(text)
+        else:
+            content, found = self.format.parse(text, self.tools)
+        calls = [ToolCall(name, args, self.format.call_id()) for name, args in found]
         calls = calls if self.parallel else calls[:1]  # parallel_tool_calls=false: one call
-        if not calls:
-            return text, []
-        content = "" if self.mode == "required" else text.split(OPEN_TAG, 1)[0]
-        return (content if content.strip() else None), calls
+        return (content, calls) if calls else (text, [])
 
 
-def plan_for(req: ChatCompletionRequest) -> ToolPlan | None:
+def plan_for(req: ChatCompletionRequest, parser: str = "hermes") -> ToolPlan | None:
     """The request's tool plan; None when no tool can be called."""
     choice = req.effective_tool_choice
     if choice == "none" or not req.tools:
         return None
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
-        return ToolPlan("named", tuple(req.tools), choice.function.name, parallel)
-    return ToolPlan(
-        "required" if choice == "required" else "auto", tuple(req.tools), None, parallel
-    )
+        return ToolPlan("named", tuple(req.tools), choice.function.name, parallel, parser)
+    mode: Literal["required", "auto"] = "required" if choice == "required" else "auto"
+    return ToolPlan(mode, tuple(req.tools), None, parallel, parser)
 
 
 def chat_options(req: ChatCompletionRequest) -> TextOptions:
@@ -147,20 +149,7 @@ def _call(name: str, arguments: str) -> ToolCall:
     return ToolCall(name, arguments, f"call_{secrets.token_hex(12)}")
 
 
-def _hermes_calls(text: str) -> list[ToolCall]:
-    calls = []
-    for block in TOOL_CALL.findall(text):
-        try:
-            item = json.loads(block)
-        except ValueError:
-            continue
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
-            arguments = item.get("arguments", item.get("parameters", {}))
-            calls.append(_call(item["name"], _json_text(arguments)))
-    return calls
-
-
-def _required_calls(text: str) -> list[ToolCall]:
+def _required_calls(text: str) -> list[tuple[str, str]]:
     try:
         items = json.loads(text)
     except ValueError:
@@ -168,14 +157,10 @@ def _required_calls(text: str) -> list[ToolCall]:
     if not isinstance(items, list):
         return []
     return [
-        _call(item["name"], _json_text(item.get("parameters", {})))
+        (item["name"], json_text(item.get("parameters", {})))
         for item in items
         if isinstance(item, dict) and isinstance(item.get("name"), str)
     ]
-
-
-def _json_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 # -- streaming --------------------------------------------------------------------------
@@ -206,16 +191,17 @@ class ToolStream:
             return head + ([_fragment(0, text)] if text else [])
         if self.plan.mode == "required":
             return []
-        cut = self.text.find(OPEN_TAG)
-        safe = cut if cut >= 0 else len(self.text) - _partial_tag(self.text)
+        cut = self.plan.format.call_start(self.text)
+        safe = cut if cut >= 0 else len(self.text) - self.plan.format.held(self.text)
         return self._content(max(safe, self.sent))
 
     def finish(self) -> tuple[list[dict[str, Any]], bool]:
         """The deltas left once the output is complete, and whether any call was made."""
         if self.plan.mode == "named":
             return ([] if self.started else [_head(0, self.named)]), True
+        auto = self.plan.mode == "auto"
         _, calls = self.plan.parse(self.text)
-        if not calls:
+        if not calls or (auto and self.plan.format.call_start(self.text) < 0):
             return self._content(len(self.text)), False
         deltas = []
         for k, call in enumerate(calls):
@@ -236,11 +222,6 @@ def _head(index: int, call: ToolCall) -> dict[str, Any]:
 
 def _fragment(index: int, arguments: str) -> dict[str, Any]:
     return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
-
-
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of `text` that may begin `<tool_call>`."""
-    return partial_tag(text, OPEN_TAG)
 
 
 # -- prompt -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Literal
 from services.types import MAX_LOGPROBS, MAX_N
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # gateway.reasoning
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")  # gateway.tool_parsers
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct (services.default_model)
 GiB = 1 << 30
 
@@ -303,6 +304,9 @@ class GatewayConfig:
     chat_template: str = ""
     # Splits thinking into reasoning_content: "qwen3", "deepseek_r1"; empty: off.
     reasoning_parser: str = ""
+    # Tool-call format of tool_choice "auto": one of TOOL_CALL_PARSERS; "auto" picks it from
+    # the tokenizer (gateway.tool_parsers.detect).
+    tool_call_parser: str = "auto"
 
     @property
     def scheduler_addresses(self) -> tuple[str, ...]:
@@ -326,6 +330,10 @@ class GatewayConfig:
         for network in self.allowed_media_networks:
             _require(_is_network(network), f"allowed_media_networks: {network!r} is not a CIDR")
         _require(self.image_transport in ("auto", "shm", "inline"), "unknown image_transport")
+        _require(
+            self.tool_call_parser in ("auto", *TOOL_CALL_PARSERS),
+            f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}",
+        )
         _require(
             self.reasoning_parser in ("", *REASONING_PARSERS),
             f"reasoning_parser must be one of {REASONING_PARSERS}, not {self.reasoning_parser!r}",

@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from gateway import schemas
+from gateway.reasoning import partial_tag
 from gateway.tokenizer import Tokenizer
-from gateway.tools import ToolPlan, ToolStream, _partial_tag
+from gateway.tools import ToolPlan, ToolStream
 from tests.gateway.conftest import API_KEY, Stack
 from tests.gateway.fake_engine import MODEL_NAME, FakeEngine
 
@@ -244,10 +245,10 @@ def test_tool_stream_concatenates_to_the_parse(mode: Literal["auto", "required"]
 
 
 def test_partial_tag_holds_back_only_a_possible_tag_start() -> None:
-    assert _partial_tag("hello <tool") == 5
-    assert _partial_tag("hello <") == 1
-    assert _partial_tag("hello") == 0
-    assert _partial_tag("a < b") == 0
+    assert partial_tag("hello <tool", "<tool_call>") == 5
+    assert partial_tag("hello <", "<tool_call>") == 1
+    assert partial_tag("hello", "<tool_call>") == 0
+    assert partial_tag("a < b", "<tool_call>") == 0
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
