@@ -103,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         image_transport=args.image_transport,
         limits=limits_from_args(args),
         chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
     )

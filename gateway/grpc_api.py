@@ -65,13 +65,17 @@ def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, Any]]:
             raise InvalidRequest(
                 f"'messages[{i}].role' must be one of {', '.join(ROLES)}", "messages"
             )
-    return [{"role": m.role, "content": _text(m)} for m in messages]
+    return [{"role": m.role, "content": _content(m)} for m in messages]
 
 
-def _text(message: pb.ChatMessage) -> str:
+def _content(message: pb.ChatMessage) -> str | list[dict[str, Any]]:
+    """The content as the REST path gives it to templates (gateway.protocol.ChatMessage.parts)."""
     if not message.parts:
         return str(message.content)
-    return "".join(p.text for p in message.parts if p.WhichOneof("part") == "text")
+    return [
+        {"type": "text", "text": p.text} if p.WhichOneof("part") == "text" else {"type": "image"}
+        for p in message.parts
+    ]
 
 
 def image_messages(messages: Sequence[pb.ChatMessage]) -> list[ChatMessage] | None:

@@ -74,10 +74,10 @@ class ImageService:
         worker_host_id: str,
         template_kwargs: dict[str, Any] | None = None,
     ) -> PreparedImages:
-        """Render `turns` (one per message) with image parts, then expand and export."""
+        """Render `turns` (image parts in place), then expand and export."""
         images = [await self._load(url, tokenizer) for url in _image_urls(messages)]
         render = functools.partial(tokenizer.render_chat, template_kwargs=template_kwargs)
-        text = await tokenizer.run(render, _with_image_parts(messages, turns))
+        text = await tokenizer.run(render, turns)
         mode = self._mode(worker_host_id)
         return await tokenizer.run(self.processor.prepare, text, images, mode, False, self.limits)
 
@@ -140,20 +140,3 @@ def _image_urls(messages: Sequence[ChatMessage]) -> list[str]:
 
 def _is_image(part: Any) -> bool:
     return getattr(part, "type", None) == "image_url" and part.image_url is not None
-
-
-def _with_image_parts(
-    messages: Sequence[ChatMessage], turns: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Turns whose messages hold images get list content: text parts and {"type": "image"}
-    parts in their order, as HF chat templates take them."""
-    out = list(turns)
-    offset = len(turns) - len(messages)  # a Hermes tools system turn may come first
-    for i, message in enumerate(messages):
-        if message.has_images and isinstance(message.content, list):
-            parts = [
-                {"type": "image"} if _is_image(p) else {"type": "text", "text": p.text or ""}
-                for p in message.content
-            ]
-            out[offset + i] = {**turns[offset + i], "content": parts}
-    return out

@@ -235,6 +235,12 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     serve` passes them on with `chat_flags`."""
     p.add_argument("--chat-template", default="", help="Jinja chat template file to use instead")
     p.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="message content as strings or lists of parts; auto: from the template",
+    )
+    p.add_argument(
         "--reasoning-parser",
         default="",
         choices=["", *REASONING_PARSERS],
@@ -252,5 +258,6 @@ def chat_flags(args: argparse.Namespace) -> list[str]:
     """The `add_chat_args` options of `args` as gateway command-line flags."""
     return [
         "--chat-template", args.chat_template, "--reasoning-parser", args.reasoning_parser,
+        "--chat-template-content-format", args.chat_template_content_format,
         "--tool-call-parser", args.tool_call_parser,
     ]  # fmt: skip

@@ -180,6 +180,17 @@ class ChatMessage(Strict):
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
 
+    @property
+    def parts(self) -> str | list[dict[str, Any]]:
+        """The content as chat templates take it: the string, or its parts in order with
+        images as {"type": "image"} (gateway.chat_format shapes it for the template)."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        return [
+            {"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text or ""}
+            for p in self.content
+        ]
+
 
 class FunctionDef(Strict):
     """A tool's function: its name, what it does, and a JSON schema of its arguments."""

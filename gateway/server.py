@@ -51,7 +51,11 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         model_dir = resolve_model(config.model, config.hub)
-        self.tokenizer = tokenizer or Tokenizer.load(model_dir, chat_template=config.chat_template)
+        self.tokenizer = tokenizer or Tokenizer.load(
+            model_dir,
+            chat_template=config.chat_template,
+            content_format=config.chat_template_content_format,
+        )
         self.engine = EngineRouter(config.scheduler_addresses, RoutingPolicy(config.routing))
         self.serving = Serving(
             self.engine,

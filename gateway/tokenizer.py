@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gateway.chat_format import ContentFormat, detect_content_format, shaped
 from gateway.errors import InvalidRequest
 from services.default_model import resolve_model
 
@@ -46,19 +47,32 @@ class Tokenizer:
         # shorter than the text it stands for).
         self.max_token_chars: int = max(map(len, hf_tokenizer.get_vocab()), default=1)
         self.max_text_chars: int | None = None  # set by limit_tokens()
+        # How message content reaches the template: string or OpenAI-style parts.
+        self.content_format: ContentFormat = detect_content_format(
+            getattr(hf_tokenizer, "chat_template", None)
+        )
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tokenize")
 
     @classmethod
-    def load(cls, model: str | Path, max_workers: int = 2, chat_template: str = "") -> Tokenizer:
+    def load(
+        cls,
+        model: str | Path,
+        max_workers: int = 2,
+        chat_template: str = "",
+        content_format: str = "auto",
+    ) -> Tokenizer:
         """Load the tokenizer of `model` ("default", a served name or a directory);
-        `chat_template`: a Jinja file that replaces the model's own template."""
+        `chat_template`: a Jinja file that replaces the model's own template;
+        `content_format`: how message content reaches it (gateway.chat_format)."""
         from transformers import AutoTokenizer
 
         path = resolve_model(str(model))
         hf = AutoTokenizer.from_pretrained(str(path))
         if chat_template:
             hf.chat_template = Path(chat_template).expanduser().read_text(encoding="utf-8")
-        return cls(hf, max_workers)
+        tokenizer = cls(hf, max_workers)
+        tokenizer.content_format = detect_content_format(hf.chat_template, content_format)
+        return tokenizer
 
     def close(self) -> None:
         """Stop the thread pool (pending work finishes first)."""
@@ -109,7 +123,7 @@ class Tokenizer:
             raise ValueError("this model has no chat template; use /v1/completions")
         self._check_messages(messages)
         text = self.hf.apply_chat_template(
-            list(messages),
+            shaped(messages, self.content_format),
             tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,

@@ -254,7 +254,7 @@ def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 
 
 def _turn(message: ChatMessage, native: bool) -> dict[str, Any]:
-    turn: dict[str, Any] = {"role": message.role, "content": message.text}
+    turn: dict[str, Any] = {"role": message.role, "content": message.parts}
     calls = message.tool_calls or []
     if native:
         if calls:

@@ -302,6 +302,9 @@ class GatewayConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # A Jinja chat template file used instead of the model's own; empty: the model's.
     chat_template: str = ""
+    # How message content reaches the template: "string", "openai" (lists of parts) or
+    # "auto" (openai when the template walks a message's content parts).
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
     # Splits thinking into reasoning_content: "qwen3", "deepseek_r1"; empty: off.
     reasoning_parser: str = ""
     # Tool-call format of tool_choice "auto": one of TOOL_CALL_PARSERS; "auto" picks it from
@@ -330,6 +333,10 @@ class GatewayConfig:
         for network in self.allowed_media_networks:
             _require(_is_network(network), f"allowed_media_networks: {network!r} is not a CIDR")
         _require(self.image_transport in ("auto", "shm", "inline"), "unknown image_transport")
+        _require(
+            self.chat_template_content_format in ("auto", "string", "openai"),
+            "chat_template_content_format must be auto, string or openai",
+        )
         _require(
             self.tool_call_parser in ("auto", *TOOL_CALL_PARSERS),
             f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}",

@@ -8,9 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.multimodal.tiny_vlm import build_tiny_idefics3, build_tiny_llava
-
-BUILDERS = {"llava": build_tiny_llava, "idefics3": build_tiny_idefics3}
+from tests.multimodal.tiny_vlm import BUILDERS, build_tiny_llava
 
 
 @pytest.fixture(scope="session")

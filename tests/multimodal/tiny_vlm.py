@@ -7,6 +7,7 @@ template is SmolLM2's ChatML, extended to render image parts as the image token.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer(default_model_dir: Path) -> Any:
+def _tokenizer(default_model_dir: Path, chat_template: str = CHAT_TEMPLATE) -> Any:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -54,7 +55,12 @@ def _text_config(tok: Any) -> Any:
 
 
 def build_tiny_llava(
-    out_dir: Path, default_model_dir: Path, seed: int = 0, image_size: int = 32, patch: int = 8
+    out_dir: Path,
+    default_model_dir: Path,
+    seed: int = 0,
+    image_size: int = 32,
+    patch: int = 8,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """A random LlavaForConditionalGeneration (tiny CLIP + tiny Llama) + its processor;
     (image_size / patch) ** 2 image tokens per image."""
@@ -66,7 +72,7 @@ def build_tiny_llava(
         LlavaProcessor,
     )
 
-    tok = _tokenizer(default_model_dir)
+    tok = _tokenizer(default_model_dir, chat_template)
     image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     vision = CLIPVisionConfig(
         hidden_size=32,
@@ -101,7 +107,7 @@ def build_tiny_llava(
         tokenizer=tok,
         patch_size=patch,
         vision_feature_select_strategy="default",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         num_additional_image_tokens=1,
     )
     processor.save_pretrained(out_dir)
@@ -121,7 +127,9 @@ def png_bytes(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def build_tiny_idefics3(out_dir: Path, default_model_dir: Path, seed: int = 0) -> Path:
+def build_tiny_idefics3(
+    out_dir: Path, default_model_dir: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE
+) -> Path:
     """A random Idefics3ForConditionalGeneration (tiny SigLIP-style encoder, pixel-shuffle
     connector, tiny Llama) + its processor, which tiles large images (SmolVLM's layout)."""
     from transformers import (
@@ -131,7 +139,7 @@ def build_tiny_idefics3(out_dir: Path, default_model_dir: Path, seed: int = 0) -
         Idefics3Processor,
     )
 
-    tok = _tokenizer(default_model_dir)
+    tok = _tokenizer(default_model_dir, chat_template)
     tags = ["<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
     tok.add_tokens(tags)
     processor = Idefics3Processor(
@@ -140,7 +148,7 @@ def build_tiny_idefics3(out_dir: Path, default_model_dir: Path, seed: int = 0) -
         ),
         tokenizer=tok,
         image_seq_len=4,  # (32 / 8) ** 2 patches / scale_factor ** 2
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
     text = _text_config(tok)
     vision = {
@@ -166,3 +174,10 @@ def build_tiny_idefics3(out_dir: Path, default_model_dir: Path, seed: int = 0) -
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+# Each tiny VLM by name: builder(out_dir, default_model_dir, seed=0, chat_template=...) -> dir.
+BUILDERS: dict[str, Callable[..., Path]] = {
+    "llava": build_tiny_llava,
+    "idefics3": build_tiny_idefics3,
+}

@@ -32,8 +32,7 @@ from services.security import API_KEY_ENV, TOKEN_ENV
 from tests.conftest import free_port
 from tests.gateway.fake_engine import MODEL_NAME, FakeEngine, start_fake_engine
 from tests.multimodal.tiny_vlm import (
-    build_tiny_idefics3,
-    build_tiny_llava,
+    BUILDERS,
     png_bytes,
     sample_image,
 )
@@ -41,7 +40,6 @@ from tests.stack.harness import REPO, wait_healthy
 
 pytestmark = pytest.mark.slow
 BOMBS = [(400000, 1), (1, 400000)]
-BUILDERS = {"llava": build_tiny_llava, "idefics3": build_tiny_idefics3}
 MAX_SECONDS = 1.0
 MAX_RSS_GROWTH = 100 << 20
 
