@@ -66,6 +66,7 @@ class Worker:
             device=str(self.device),
             instance_id=uuid.uuid4().hex,  # new on every start: the scheduler spots a restart
             host_id=host_id(),
+            runner=config.model.runner,
         )
         log.info(
             "loaded %s (%s, %s) on %s, attention backend %s",

@@ -1,0 +1,157 @@
+"""LLM.embed against HF `AutoModel` hidden states pooled the same way (fp32, within 1e-5).
+
+The default model (a decoder, no sentence-transformers files: last token + normalize) and
+tiny random Llamas with a sentence-transformers config written beside them (MEAN, CLS, MAX
+pooling with a Normalize module; Matryoshka dimensions), batched, with whole and chunked
+prefill; no KV block is left owned afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import LLM, EmbeddingRequestOutput, PoolingParams
+from tessera.prompts import TokensPrompt
+from tests.hf_reference import hf_embeddings
+from tests.worker.test_qwen_models import TINY
+
+TOLERANCE = 1e-5
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _texts() -> list[str]:
+    """16 inputs from 1 word to a few hundred tokens."""
+    base = (
+        "Paged attention stores the key and value cache in fixed-size blocks, so a "
+        "scheduler can batch requests of any length without fragmentation. "
+    )
+    return [" ".join(["word"] * (i + 1)) if i < 4 else base * (i - 3) for i in range(16)]
+
+
+def _tiny_ids() -> list[list[int]]:
+    lengths = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 50, 64, 77, 100, 130)
+    return [[(11 * i + 5 * k + 3) % 320 for i in range(n)] for k, n in enumerate(lengths)]
+
+
+def _vectors(outputs: list[EmbeddingRequestOutput]) -> list[torch.Tensor]:
+    return [torch.tensor(o.outputs.embedding) for o in outputs]
+
+
+def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, f"input {i}: {tuple(g.shape)} vs {tuple(w.shape)}"
+        err = (g - w).abs().max().item()
+        scale = max(1.0, w.abs().max().item())  # unnormalized vectors: relative to their size
+        assert err < TOLERANCE * scale, f"input {i}: max |diff| {err:.2e} (scale {scale:.1f})"
+
+
+def _assert_no_leaks(llm: LLM) -> None:
+    scheduler = llm.engine.scheduler
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+    assert scheduler.kv.pool.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module", params=[2048, 48], ids=["whole-prefill", "chunked-prefill"])
+def default_llm(request: pytest.FixtureRequest) -> Iterator[LLM]:
+    llm = LLM(
+        model="default",
+        dtype="float32",
+        runner="pooling",
+        max_num_batched_tokens=request.param,
+        kv_cache_memory="256MiB",
+    )
+    yield llm
+    llm.shutdown()
+
+
+def test_default_model_last_token_matches_hf(default_llm: LLM, default_model_dir: Path) -> None:
+    texts = _texts()
+    outputs = default_llm.embed(texts)
+    ids = [o.prompt_token_ids for o in outputs]
+    assert max(map(len, ids)) > 200 and min(map(len, ids)) <= 2
+    assert ids == [default_llm.tokenizer.encode(t) for t in texts]
+    assert [o.request_id for o in outputs] == sorted({o.request_id for o in outputs}, key=int)
+    _assert_close(_vectors(outputs), hf_embeddings(default_model_dir, ids, "LAST", True))
+    _assert_no_leaks(default_llm)
+
+
+def test_default_model_options(default_llm: LLM, default_model_dir: Path) -> None:
+    """normalize=False gives the raw last hidden state; token-id prompts; no Matryoshka."""
+    ids = [[1, 2, 3, 4, 5], [42] * 70]
+    prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in ids]
+    raw = default_llm.embed(prompts, PoolingParams(normalize=False))
+    _assert_close(_vectors(raw), hf_embeddings(default_model_dir, ids, "LAST", False))
+    with pytest.raises(ValueError, match="does not support matryoshka"):
+        default_llm.embed("hello", PoolingParams(dimensions=8))
+    with pytest.raises(ValueError, match="runner"):
+        default_llm.generate("hello")
+    _assert_no_leaks(default_llm)
+
+
+def _tiny_st_model(root: Path, pooling: str) -> Path:
+    """A random Llama with sentence-transformers files: `pooling` + Normalize, Matryoshka
+    dimensions 16 and 32, and the default model's tokenizer files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.default_model import resolve_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    with torch.no_grad():  # HF sets norms to 1: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    model.config.matryoshka_dimensions = [16, 32]
+    model.save_pretrained(root)
+    for name in TOKENIZER_FILES:
+        shutil.copy(resolve_model("default") / name, root / name)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    (root / "modules.json").write_text(json.dumps(modules))
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
+    flags = {f"pooling_mode_{m}": m == pooling for m in modes}
+    (root / "1_Pooling").mkdir()
+    (root / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": TINY["hidden_size"], **flags})
+    )
+    (root / "2_Normalize").mkdir()
+    return root
+
+
+@pytest.mark.parametrize(
+    ("mode", "pooling"), [("mean_tokens", "MEAN"), ("cls_token", "CLS"), ("max_tokens", "MAX")]
+)
+@pytest.mark.parametrize("budget", [2048, 24], ids=["whole-prefill", "chunked-prefill"])
+def test_sentence_transformers_pooling_matches_hf(
+    tmp_path: Path, mode: str, pooling: str, budget: int
+) -> None:
+    model_dir = _tiny_st_model(tmp_path / "tiny-st", mode)
+    ids = _tiny_ids()
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        task="embed",
+        max_num_batched_tokens=budget,
+        kv_cache_memory="64MiB",
+    )
+    try:
+        _assert_close(_vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, pooling, True))
+        short = llm.embed(ids[:5], PoolingParams(dimensions=16))
+        _assert_close(_vectors(short), hf_embeddings(model_dir, ids[:5], pooling, True, 16))
+        raw = llm.embed(ids[-3:], PoolingParams(dimensions=32, normalize=False))
+        _assert_close(_vectors(raw), hf_embeddings(model_dir, ids[-3:], pooling, False, 32))
+        with pytest.raises(ValueError, match=r"only supports \[16, 32\]"):
+            llm.embed(ids[:1], PoolingParams(dimensions=20))
+        _assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
