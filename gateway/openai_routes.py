@@ -45,6 +45,7 @@ class OpenAIRoutes:
         options = tools.chat_options(req)
         plan = tools.plan_for(req)
         card = await self.serving.check_model(req.model)
+        self.serving.check_runner(card, "generate")
         job = GenerateJob(rs.new_id("chatcmpl"), [], options)
         if req.has_images:
             job.images = await prepare_chat_images(
@@ -78,6 +79,7 @@ class OpenAIRoutes:
         req = parse(CompletionRequest, body, self.serving.limits)
         options = req.options()
         card = await self.serving.check_model(req.model)
+        self.serving.check_runner(card, "generate")
         prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]
         want_prompt_lp = bool(req.echo) and options.logprobs is not None
         job = GenerateJob(rs.new_id("cmpl"), prompts, options, prompt_logprobs=want_prompt_lp)
