@@ -155,3 +155,27 @@ def test_sentence_transformers_pooling_matches_hf(
         _assert_no_leaks(llm)
     finally:
         llm.shutdown()
+
+
+def test_preempted_pooling_requests_start_their_pool_afresh(tmp_path: Path) -> None:
+    """A pool of 16 blocks (256 tokens) for 16 prompts of 150..165 tokens with a 200-token
+    budget: a prompt's second chunk finds no blocks, the latest request is preempted
+    mid-prompt and recomputed from scratch; vectors are still HF's."""
+    model_dir = _tiny_st_model(tmp_path / "tiny-st", "mean_tokens")
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    block_bytes = 2 * 4 * TINY["num_hidden_layers"] * TINY["num_key_value_heads"] * head_dim * 16
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        runner="pooling",
+        max_num_batched_tokens=200,
+        kv_cache_memory=16 * block_bytes,  # K and V, float32, 16-token blocks
+    )
+    try:
+        assert llm.engine.num_blocks == 16
+        ids = [[(11 * i + 5 * k + 3) % 320 for i in range(150 + k)] for k in range(16)]
+        _assert_close(_vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, "MEAN", True))
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
