@@ -120,7 +120,7 @@ def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
     """The ASGI app of one gateway."""
     basic = BasicRoutes(serving, config.max_body_bytes)
     openai = OpenAIRoutes(serving, config.max_body_bytes)
-    embeddings = EmbeddingRoutes(serving, config.max_body_bytes, config.model)
+    embeddings = EmbeddingRoutes(serving, config.max_body_bytes)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),

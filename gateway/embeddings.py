@@ -14,6 +14,7 @@ import asyncio
 import base64
 import functools
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -69,34 +70,50 @@ class EmbeddingRequest(Strict):
         return list(value)
 
 
-class EmbeddingRoutes:
-    """The embeddings endpoint; the pooling config is read from the model's files once."""
+@dataclass
+class Embedded:
+    """What one embeddings request produced, input by input."""
 
-    def __init__(self, serving: Serving, max_body_bytes: int, model: str) -> None:
+    request_id: str
+    model: str
+    vectors: list[bytes]  # little-endian float32 each
+    prompts: list[list[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+
+class Embedder:
+    """The embeddings path shared by REST and gRPC; the pooling config is read from the
+    model's files (`serving.model_files`) once, when first needed."""
+
+    def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        self.max_body_bytes = max_body_bytes
-        self.model = model
 
     @functools.cached_property
     def pooler(self) -> PoolerConfig:
-        return read_pooler_config(resolve_model(self.model))
+        return read_pooler_config(resolve_model(self.serving.model_files))
 
-    async def embeddings(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body_bytes)
-        req = parse(EmbeddingRequest, body, self.serving.limits)
-        card = await self.serving.check_model(req.model)
+    async def embed(
+        self,
+        model: str | None,
+        inputs: list[str | list[int]],
+        params: PoolingParams,
+        timeout_s: float | None = None,
+    ) -> Embedded:
+        """Every input's vector; ApiError (400 / 404 / 408 / 429 / 503) otherwise."""
+        card = await self.serving.check_model(model)
         self.serving.check_runner(card, "pooling")
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         try:
             check_pooling_params(params, self.pooler, card.name)
         except ValueError as exc:
             raise InvalidRequest(str(exc), "dimensions") from None
-        prompts = [await self._encode(item, card) for item in req.inputs()]
+        prompts = [await self._encode(item, card) for item in inputs]
         request_id = rs.new_id("embd")
         with self.serving.admit():
-            vectors = await until_disconnect(request, self._run(request_id, prompts, params))
-        response = _response(request_id, card.name, vectors, prompts, req.encoding_format)
-        return JSONResponse(response)
+            vectors = await self._run(request_id, prompts, params, timeout_s)
+        return Embedded(request_id, card.name, vectors, prompts)
 
     async def _encode(self, item: str | list[int], card: ModelCard) -> list[int]:
         ids = await self.serving.encode_prompt(item, card.vocab_size)
@@ -112,10 +129,14 @@ class EmbeddingRoutes:
         return ids
 
     async def _run(
-        self, request_id: str, prompts: list[list[int]], params: PoolingParams
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: PoolingParams,
+        timeout_s: float | None,
     ) -> list[bytes]:
         """Every input's vector, run concurrently; past the deadline: 408 (all aborted)."""
-        timeout = self.serving.limits.timeout_s(None)
+        timeout = self.serving.limits.timeout_s(timeout_s)
         try:
             async with asyncio.timeout(timeout), asyncio.TaskGroup() as group:
                 tasks = [
@@ -145,25 +166,34 @@ class EmbeddingRoutes:
         return last.pooling_output
 
 
-def _response(
-    request_id: str,
-    model: str,
-    vectors: list[bytes],
-    prompts: list[list[int]],
-    encoding: str | None,
-) -> dict[str, Any]:
-    num_tokens = sum(map(len, prompts))
+class EmbeddingRoutes:
+    """POST /v1/embeddings."""
+
+    def __init__(self, serving: Serving, max_body_bytes: int) -> None:
+        self.embedder = Embedder(serving)
+        self.max_body_bytes = max_body_bytes
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await read_json(request, self.max_body_bytes)
+        req = parse(EmbeddingRequest, body, self.embedder.serving.limits)
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        work = self.embedder.embed(req.model, req.inputs(), params)
+        done = await until_disconnect(request, work)
+        return JSONResponse(_response(done, req.encoding_format))
+
+
+def _response(done: Embedded, encoding: str | None) -> dict[str, Any]:
     data = [
         {"object": "embedding", "index": i, "embedding": _encode_vector(v, encoding)}
-        for i, v in enumerate(vectors)
+        for i, v in enumerate(done.vectors)
     ]
     return {
-        "id": request_id,
+        "id": done.request_id,
         "object": "list",
         "created": int(time.time()),
         "data": data,
-        "model": model,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        "model": done.model,
+        "usage": {"prompt_tokens": done.num_tokens, "total_tokens": done.num_tokens},
     }
 
 

@@ -62,6 +62,7 @@ class GatewayServer:
             config.limits,
         )
         self.serving.images = ImageService.load(config, resolve_model(config.model))
+        self.serving.model_files = config.model
         self.app = build_app(config, self.serving)
         self.grpc: GrpcServer | None = None
         self.http: _DrainingUvicorn | None = None

@@ -34,7 +34,7 @@ from gateway.output import ChoiceDelta, OutputProcessor
 from gateway.protocol import TextOptions
 from gateway.router import EngineRouter
 from gateway.tokenizer import Tokenizer
-from services.config import RequestLimits
+from services.config import DEFAULT_MODEL, RequestLimits
 from services.step_types import ServerInfo
 from services.types import EngineCoreRequest
 
@@ -104,6 +104,7 @@ class Serving:
         self.limits = limits or RequestLimits()  # per-request budgets and deadline
         self.draining = False
         self.images: ImageService | None = None  # set for a vision-language model
+        self.model_files = DEFAULT_MODEL  # the model's directory (pooling config, embeddings)
         self._card: ModelCard | None = None
 
     # -- model and admission ---------------------------------------------------------------

@@ -3,7 +3,7 @@ driven by the official openai client: float and base64 vectors of strings and to
 equal HF's (AutoModel last_hidden_state, last token, normalized) within 1e-5; bad input
 (empty, too long, wrong model, dimensions of a non-Matryoshka model, completions of a
 pooling server) is OpenAI's 400 / 404; concurrent requests are batched; nothing is left
-in the scheduler afterwards."""
+in the scheduler afterwards; the gRPC Embed RPC gives the same vectors."""
 
 from __future__ import annotations
 
@@ -13,11 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from services.grpc_utils import sync_channel
+from services.pb import generate_pb2 as pb
+from services.pb import generate_pb2_grpc as pb_grpc
 from tests.hf_reference import hf_embeddings
 from tests.stack.harness import Stack, start_stack
 from tests.stack.test_serve_e2e import scheduler_stats, wait_idle
@@ -119,3 +123,24 @@ def test_concurrent_requests_are_batched(client: Any, stack: Stack) -> None:
     stats = wait_idle(stack, 10)
     assert stats.num_steps - steps_before < 16 + 1, "16 concurrent requests took 16 steps"
     assert (stats.num_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0), stats
+
+
+def test_grpc_embed_equals_rest(client: Any, stack: Stack) -> None:
+    rest = client.embeddings.create(model="", input=TEXTS[:2])
+    with sync_channel(stack.gateway_grpc_address) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        reply = stub.Embed(pb.EmbedRequest(texts=TEXTS[:2], request_id="mine"), timeout=60)
+        assert reply.id == "mine" and reply.usage.prompt_tokens == rest.usage.prompt_tokens
+        got = [list(e.values) for e in reply.embeddings]
+        _close(got, [np.asarray(d.embedding) for d in rest.data])
+        tokens = stub.Embed(pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=[1, 2, 3])]))
+        assert len(tokens.embeddings[0].values) == 576
+        for bad in (
+            pb.EmbedRequest(),
+            pb.EmbedRequest(texts=[""]),
+            pb.EmbedRequest(texts=["a"], dimensions=8),
+            pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=[5] * 8193)]),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Embed(bad, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
