@@ -179,3 +179,22 @@ def test_preempted_pooling_requests_start_their_pool_afresh(tmp_path: Path) -> N
         _assert_no_leaks(llm)
     finally:
         llm.shutdown()
+
+
+def test_tensor_parallel_pooling_matches_hf(tmp_path: Path) -> None:
+    """Two ranks (heads and MLP columns split): rank 0 pools the all-reduced hidden states."""
+    model_dir = _tiny_st_model(tmp_path / "tiny-st", "mean_tokens")
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        runner="pooling",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=24,
+        kv_cache_memory="64MiB",
+    )
+    try:
+        ids = _tiny_ids()
+        _assert_close(_vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, "MEAN", True))
+        _assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
