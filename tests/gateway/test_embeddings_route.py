@@ -1,8 +1,13 @@
-"""POST /v1/embeddings against a generate-runner engine (the fake EngineCore): a clear 400,
-bad bodies refused in OpenAI's shape before any engine call, the route in /openapi.json."""
+"""POST /v1/embeddings against the fake EngineCore: of a generate-runner engine a clear 400,
+bad bodies refused in OpenAI's shape before any engine call, the route in /openapi.json; of a
+pooling one the response shapes (float, base64, token ids), a disconnect aborting every
+input's engine call, an engine failure as a 500."""
 
 from __future__ import annotations
 
+import base64
+import struct
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -11,8 +16,11 @@ import pytest
 
 from gateway.app import version
 from gateway.openapi import openapi_document
-from tests.gateway.conftest import API_KEY, Stack
-from tests.gateway.fake_engine import MODEL_NAME, FakeEngine
+from gateway.tokenizer import Tokenizer
+from services.types import PoolingParams
+from tests.gateway.conftest import API_KEY, Stack, start_stack
+from tests.gateway.fake_engine import MODEL_NAME, FakeEngine, fake_vector
+from tests.gateway.test_disconnect import wait_until
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -77,3 +85,71 @@ def test_openapi_lists_embeddings() -> None:
         "$ref": "#/components/schemas/EmbeddingRequest"
     }
     assert {"200", "400", "404"} <= set(route["responses"])
+
+
+@pytest.fixture(scope="module")
+def pooling_stack(tokenizer: Tokenizer) -> Iterator[Stack]:
+    """A gateway in front of a fake engine that reports the pooling runner."""
+    s = start_stack(tokenizer, runner="pooling", api_key=API_KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def pooling(pooling_stack: Stack) -> FakeEngine:
+    pooling_stack.engine.reset()
+    return pooling_stack.engine
+
+
+def test_shapes_of_float_base64_and_token_inputs(
+    pooling_stack: Stack, pooling: FakeEngine, tokenizer: Tokenizer
+) -> None:
+    client = openai.OpenAI(base_url=f"{pooling_stack.base_url}/v1", api_key=API_KEY, max_retries=0)
+    texts = ["hello world", "a second, longer input text"]
+    reply = client.embeddings.create(model=MODEL_NAME, input=texts)
+    ids = [tokenizer.encode(t) for t in texts]
+    assert [d.embedding for d in reply.data] == [fake_vector(i) for i in ids]
+    assert [d.index for d in reply.data] == [0, 1] and reply.model == MODEL_NAME
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, ids))
+    assert [r.prompt_token_ids for r in pooling.requests] == ids
+    assert all(r.pooling_params == PoolingParams() for r in pooling.requests)
+    encoded = client.embeddings.create(
+        model=MODEL_NAME, input=[[9, 8, 7]], encoding_format="base64"
+    )
+    raw = base64.b64decode(str(encoded.data[0].embedding))
+    assert list(struct.unpack("<4f", raw)) == fake_vector([9, 8, 7])
+    vllm_field = httpx.post(
+        f"{pooling_stack.base_url}/v1/embeddings",
+        json={"input": [5, 6], "normalize": False},
+        headers=AUTH,
+    ).json()
+    assert vllm_field["data"][0]["embedding"] == fake_vector([5, 6])
+    assert pooling.requests[-1].pooling_params == PoolingParams(normalize=False)
+    with pytest.raises(openai.BadRequestError, match="matryoshka"):
+        client.embeddings.create(model=MODEL_NAME, input="hi", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.completions.create(model=MODEL_NAME, prompt="hi")
+
+
+def test_a_client_that_goes_away_aborts_every_input(
+    pooling_stack: Stack, pooling: FakeEngine
+) -> None:
+    pooling.token_delay_s = 5.0  # the engine never answers in time
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{pooling_stack.base_url}/v1/embeddings",
+            json={"input": ["a", "b", "c"]},
+            headers=AUTH,
+            timeout=0.5,
+        )
+    wait_until(lambda: len(pooling.cancelled_at) == 3)
+
+
+def test_an_engine_failure_is_a_500_in_openai_shape(
+    pooling_stack: Stack, pooling: FakeEngine
+) -> None:
+    pooling.fail_after = 0
+    reply = httpx.post(
+        f"{pooling_stack.base_url}/v1/embeddings", json={"input": ["a", "b"]}, headers=AUTH
+    )
+    assert reply.status_code == 500 and reply.json()["error"]["message"] == "boom"
