@@ -54,8 +54,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
+        pooled_prefix_hits: bool = False,
     ) -> None:
         self.config = config
+        self.pooled_prefix_hits = pooled_prefix_hits  # LAST pooling: only the last row counts
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -174,9 +176,9 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Move the head of the queue into the running set if its first chunk fits."""
-        if request.pooling_params is None:
+        if request.pooling_params is None or self.pooled_prefix_hits:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-        else:  # a pooled request needs every row's hidden state (mean, cls): no hits
+        else:
             hits, num_hit_tokens = [], 0
         num_new = self._chunk_size(request.num_tokens - num_hit_tokens, plan)
         if request.mm_inputs:

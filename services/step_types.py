@@ -110,6 +110,7 @@ class ModelInfo:
     instance_id: str = ""  # new on every worker start
     host_id: str = ""  # host + shared-memory namespace (services.tensor_handles.host_id)
     runner: str = "generate"  # "generate" or "pooling" (embeddings)
+    pooling_type: str = ""  # a pooling runner's LAST / MEAN / CLS / MAX
 
 
 @dataclass(frozen=True, slots=True)

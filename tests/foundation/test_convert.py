@@ -150,6 +150,7 @@ CASES: list[Any] = [
         instance_id="5f0c2a",
         host_id="h/boot",
         runner="pooling",
+        pooling_type="MEAN",
     ),
     KVCacheSpec(
         num_layers=30,

@@ -82,6 +82,24 @@ def test_default_model_last_token_matches_hf(default_llm: LLM, default_model_dir
     _assert_no_leaks(default_llm)
 
 
+def test_last_token_pooling_with_prefix_cache_hits(
+    default_llm: LLM, default_model_dir: Path
+) -> None:
+    """Last-token pooling takes prefix-cache hits (the last token is always computed): the
+    second pass over shared-prefix inputs hits, and the vectors stay HF's."""
+    texts = _texts()[4:]
+    kv = default_llm.engine.scheduler.kv
+    first = default_llm.embed(texts)
+    hits = kv.prefix_hits
+    second = default_llm.embed(texts)
+    assert kv.prefix_hits - hits > 1000  # nearly every block of the second pass
+    ids = [o.prompt_token_ids for o in second]
+    want = hf_embeddings(default_model_dir, ids, "LAST", True)
+    _assert_close(_vectors(second), want)
+    _assert_close(_vectors(first), want)
+    _assert_no_leaks(default_llm)
+
+
 def test_default_model_options(default_llm: LLM, default_model_dir: Path) -> None:
     """normalize=False gives the raw last hidden state; token-id prompts; no Matryoshka."""
     ids = [[1, 2, 3, 4, 5], [42] * 70]

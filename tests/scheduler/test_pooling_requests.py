@@ -67,6 +67,7 @@ def test_aborted_mid_prefill_frees_its_blocks() -> None:
 
 
 def test_pooling_requests_skip_prefix_hits_but_leave_their_blocks_cached() -> None:
+    """Mean / CLS / max pooling (pooled_prefix_hits off) needs every row's hidden state."""
     scheduler, _ = make_scheduler(block_size=4)
     prompt = list(range(1, 18))
     for rid in ("e1", "e2"):
@@ -85,4 +86,18 @@ def test_a_missing_vector_fails_the_request() -> None:
     out = ModelRunnerOutput(so.step_id, ["e"], [SampledTokens()])
     (output,) = scheduler.update_from_output(so, out)
     assert output.finish_reason == FinishReason.ERROR and "no vector" in output.error
+    assert scheduler.kv.pool.num_used_blocks == 0
+
+
+def test_last_token_pooling_takes_prefix_hits() -> None:
+    scheduler, _ = make_scheduler(block_size=4)
+    scheduler.pooled_prefix_hits = True  # what the engine sets for a LAST-pooling model
+    prompt = list(range(1, 18))
+    hits = []
+    for rid in ("e1", "e2"):
+        scheduler.add_request(_pooling(rid, prompt))
+        _, outputs = _step(scheduler)
+        assert outputs[0].pooling_output == VECTOR
+        hits.append(outputs[0].num_cached_tokens)
+    assert hits == [0, 16]  # the last token is always computed
     assert scheduler.kv.pool.num_used_blocks == 0
