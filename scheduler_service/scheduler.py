@@ -312,8 +312,7 @@ class Scheduler:
         return output
 
     def _pooled_output(self, request: Request) -> EngineCoreOutput:
-        """An embedding request whose prompt is computed: its vector, and it is done (vLLM:
-        FINISHED_STOPPED); its blocks go back to the pool (the prefix cache may keep them)."""
+        """A pooled prompt is computed: its vector; done (FINISHED_STOPPED), blocks freed."""
         data = self._pooled.get(request.request_id)
         if not data:
             return self._fail(request, "the worker returned no vector for a pooled prompt")
