@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from gateway import metrics as gm
 from gateway.admission import BodyBudgetMiddleware
+from gateway.embeddings import EmbeddingRoutes
 from gateway.errors import ApiError, MethodNotAllowed, NotFound, ServiceUnavailable, internal_error
 from gateway.http_io import ClientDisconnected, read_json
 from gateway.middleware import GatewayMiddleware
@@ -119,9 +120,11 @@ def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
     """The ASGI app of one gateway."""
     basic = BasicRoutes(serving, config.max_body_bytes)
     openai = OpenAIRoutes(serving, config)
+    embeddings = EmbeddingRoutes(serving, config.max_body_bytes)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/models", basic.models, methods=["GET"]),
         Route("/health", basic.health, methods=["GET"]),
         Route("/metrics", basic.metrics, methods=["GET"]),

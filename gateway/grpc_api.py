@@ -18,9 +18,11 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import numpy as np
 
 from gateway import responses as rs
 from gateway.admission import MessageBudgetInterceptor
+from gateway.embeddings import MAX_INPUTS, Embedder
 from gateway.errors import ApiError, InvalidRequest
 from gateway.limits import capped_parser, check_stop
 from gateway.media import check_image_count, prepare_chat_images
@@ -31,6 +33,7 @@ from services.config import SecurityConfig
 from services.grpc_utils import GrpcServer, Registration
 from services.pb import generate_pb2 as pb
 from services.pb import generate_pb2_grpc as pb_grpc
+from services.types import PoolingParams
 
 SERVICE_NAME = "tessera.v1.TextGeneration"
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty")
@@ -104,6 +107,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
+        self.embedder = Embedder(serving)
 
     async def Complete(self, request: pb.CompletionRequest, context: Any) -> pb.GenerateResponse:
         return await self._unary(self._completion_job(request), request.request_id, context)
@@ -135,7 +139,41 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
         return await _checked(self._tokenize(request), context)
 
+    async def Embed(self, request: pb.EmbedRequest, context: Any) -> pb.EmbedResponse:
+        done = await _checked(self._embed(request, context.time_remaining()), context)
+        return pb.EmbedResponse(
+            id=request.request_id or done.request_id,
+            model=done.model,
+            embeddings=[
+                pb.Embedding(values=np.frombuffer(v, "<f4").tolist()) for v in done.vectors
+            ],
+            usage=pb.Usage(prompt_tokens=done.num_tokens, total_tokens=done.num_tokens),
+        )
+
     # -- helpers --------------------------------------------------------------------------
+
+    async def _embed(self, request: pb.EmbedRequest, deadline_s: float | None) -> Any:
+        inputs: list[str | list[int]] = [
+            *request.texts,
+            *(list(t.ids) for t in request.token_inputs),
+        ]
+        if not inputs or (request.texts and request.token_inputs):
+            raise InvalidRequest("give texts or token_inputs, one of the two", "texts")
+        if len(inputs) > MAX_INPUTS:
+            raise InvalidRequest(f"at most {MAX_INPUTS} inputs", "texts")
+        if any(len(item) == 0 for item in inputs) or any(
+            i < 0 for t in request.token_inputs for i in t.ids
+        ):
+            raise InvalidRequest(
+                "inputs must be non-empty texts or lists of token ids >= 0", "texts"
+            )
+        message: Any = request  # HasField takes the field names as literals in the stubs
+        dimensions = request.dimensions if message.HasField("dimensions") else None
+        if dimensions is not None and dimensions < 1:
+            raise InvalidRequest("dimensions must be >= 1", "dimensions")
+        normalize = request.normalize if message.HasField("normalize") else None
+        params = PoolingParams(dimensions=dimensions, normalize=normalize)
+        return await self.embedder.embed(request.model, inputs, params, deadline_s)
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         card = await self.serving.check_model(request.model)

@@ -53,6 +53,7 @@ class OpenAIRoutes:
         if plan is not None and self.tool_parser == "mistral":  # [TOOL_CALLS] is special
             options = dataclasses.replace(options, skip_special_tokens=False)
         card = await self.serving.check_model(req.model)
+        self.serving.check_runner(card, "generate")
         job = GenerateJob(rs.new_id("chatcmpl"), [], options)
         if req.has_images:
             job.images = await prepare_chat_images(
@@ -92,6 +93,7 @@ class OpenAIRoutes:
         req = parse(CompletionRequest, body, self.serving.limits)
         options = req.options()
         card = await self.serving.check_model(req.model)
+        self.serving.check_runner(card, "generate")
         prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]
         want_prompt_lp = bool(req.echo) and options.logprobs is not None
         job = GenerateJob(rs.new_id("cmpl"), prompts, options, prompt_logprobs=want_prompt_lp)

@@ -14,11 +14,13 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from gateway import protocol as p
 from gateway import schemas as s
+from gateway.embeddings import EmbeddingRequest
 
 Schema = dict[str, Any]
 REQUESTS: tuple[type[BaseModel], ...] = (
     p.ChatCompletionRequest,
     p.CompletionRequest,
+    EmbeddingRequest,
     p.TokenizeRequest,
     p.DetokenizeRequest,
 )
@@ -27,6 +29,7 @@ RESPONSES: tuple[type[BaseModel], ...] = (
     s.ChatCompletion,
     s.ChatCompletionChunk,
     s.Completion,
+    s.EmbeddingList,
     s.ModelList,
     s.TokenizeResponse,
     s.DetokenizeResponse,
@@ -48,7 +51,11 @@ _ERRORS = {
     "413": "Body too large",
     "429": "Too many requests in flight",
     "503": "The engine is unavailable or the server is draining",
+    "500": "The engine failed the request",
 }
+
+
+_GENERATE_ERRORS = ("400", "401", "404", "408", "413", "429", "503")
 
 
 @functools.cache
@@ -68,7 +75,9 @@ def _errors(*codes: str) -> Schema:
     return {c: {"description": _ERRORS[c], "content": _json("ErrorResponse")} for c in codes}
 
 
-def _post(summary: str, request: str, response: str, stream: bool) -> Schema:
+def _post(
+    summary: str, request: str, response: str, stream: bool, errors: tuple[str, ...] | None = None
+) -> Schema:
     content = _json(response)
     if stream:
         content["text/event-stream"] = {"schema": SSE_EVENT}
@@ -77,7 +86,7 @@ def _post(summary: str, request: str, response: str, stream: bool) -> Schema:
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _json(request)},
-            "responses": {"200": ok, **_errors("400", "401", "404", "408", "413", "429", "503")},
+            "responses": {"200": ok, **_errors(*(errors or _GENERATE_ERRORS))},
         }
     }
 
@@ -98,6 +107,13 @@ def openapi_document(version: str) -> Schema:
                 "Chat completion", "ChatCompletionRequest", "ChatCompletion", True
             ),
             "/v1/completions": _post("Text completion", "CompletionRequest", "Completion", True),
+            "/v1/embeddings": _post(
+                "Embeddings (a server started with --runner pooling)",
+                "EmbeddingRequest",
+                "EmbeddingList",
+                False,
+                (*_GENERATE_ERRORS, "500"),
+            ),
             "/v1/models": _get("List models", _json("ModelList"), "401", "503"),
             "/health": _get("200 while the engine serves", _json("HealthResponse"), "503"),
             "/metrics": _get("Prometheus metrics", text),

@@ -159,6 +159,29 @@ class ModelList(Shape):
     data: list[ModelCardOut]
 
 
+class EmbeddingUsage(Shape):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(Shape):
+    object: Literal["embedding"]
+    index: int
+    # The vector as numbers, or (encoding_format "base64") its little-endian float32 bytes.
+    embedding: list[float] | str
+
+
+class EmbeddingList(Shape):
+    """The answer of POST /v1/embeddings: one entry per input, in order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
 class TokenizeResponse(Shape):
     count: int
     max_model_len: int

@@ -67,6 +67,7 @@ class GatewayServer:
             config.limits,
         )
         self.serving.images = ImageService.load(config, model_dir)
+        self.serving.model_files = str(model_dir)
         self.app = build_app(config, self.serving)
         self.grpc: GrpcServer | None = None
         self.http: _DrainingUvicorn | None = None

@@ -34,7 +34,7 @@ from gateway.output import ChoiceDelta, OutputProcessor
 from gateway.protocol import TextOptions
 from gateway.router import EngineRouter
 from gateway.tokenizer import Tokenizer
-from services.config import RequestLimits
+from services.config import DEFAULT_MODEL, RequestLimits
 from services.step_types import ServerInfo
 from services.types import EngineCoreRequest
 
@@ -52,6 +52,7 @@ class ModelCard:
     vocab_size: int
     created: int
     host_id: str = ""  # the worker's host (services.tensor_handles.host_id): shm handles
+    runner: str = "generate"  # "pooling": /v1/embeddings only; else completions and chat
 
 
 @dataclass
@@ -103,6 +104,7 @@ class Serving:
         self.limits = limits or RequestLimits()  # per-request budgets and deadline
         self.draining = False
         self.images: ImageService | None = None  # set for a vision-language model
+        self.model_files = DEFAULT_MODEL  # the model's directory (pooling config, embeddings)
         self._card: ModelCard | None = None
 
     # -- model and admission ---------------------------------------------------------------
@@ -113,7 +115,8 @@ class Serving:
             info: ServerInfo = await self.engine.server_info()
             name = self.served_model_name or info.model_name or "default"
             vocab = info.vocab_size or self.tokenizer.vocab_size
-            self._card = ModelCard(name, info.max_model_len, vocab, int(time.time()), info.host_id)
+            created, runner = int(time.time()), info.runner or "generate"
+            self._card = ModelCard(name, info.max_model_len, vocab, created, info.host_id, runner)
             self.tokenizer.limit_tokens(info.max_model_len)
         return self._card
 
@@ -125,6 +128,24 @@ class Serving:
                 f"The model '{model}' does not exist; this server serves '{card.name}'.", "model"
             )
         return card
+
+    @staticmethod
+    def check_runner(card: ModelCard, wanted: str) -> None:
+        """400 when the model runs as the other runner (embeddings of a generate model,
+        completions of a pooling one)."""
+        if card.runner == wanted:
+            return
+        if wanted == "pooling":
+            raise InvalidRequest(
+                f"The model '{card.name}' does not support embeddings: this server runs the "
+                "generate runner (start it with --runner pooling)",
+                "model",
+            )
+        raise InvalidRequest(
+            f"The model '{card.name}' runs the pooling runner: this server serves "
+            "/v1/embeddings only (start it with --runner generate for completions)",
+            "model",
+        )
 
     def acquire(self) -> None:
         """Count one request in flight; 503 while draining, 429 when the limit is full."""

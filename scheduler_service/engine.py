@@ -80,6 +80,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_info.eos_token_ids,
             enable_prefix_caching=self.cache_config.enable_prefix_caching,
+            pooled_prefix_hits=self.model_info.pooling_type == "LAST",
         )
 
     def lose_workers(self, error: str) -> list[EngineCoreOutput]:
@@ -141,7 +142,9 @@ class EngineCore:
         if vocab and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         self._check_options(request)
-        min_output = max(1, request.sampling_params.min_tokens)
+        self._check_runner(request)
+        pooled = request.pooling_params is not None
+        min_output = 0 if pooled else max(1, request.sampling_params.min_tokens)
         if len(prompt) + min_output > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + min output ({min_output}) exceeds "
@@ -154,6 +157,19 @@ class EngineCore:
             len(prompt) > self.scheduler_config.max_num_batched_tokens
         ):
             raise ValueError("prompt longer than max_num_batched_tokens with chunked prefill off")
+
+    def _check_runner(self, request: EngineCoreRequest) -> None:
+        """Embedding requests only on a pooling runner, generate requests only elsewhere."""
+        pooling_runner = self.model_info.runner == "pooling"
+        if request.pooling_params is not None and not pooling_runner:
+            raise ValueError(
+                "this model runs the generate runner; embeddings need --runner pooling"
+            )
+        if request.pooling_params is None and pooling_runner:
+            raise ValueError(
+                "this model runs the pooling runner (embeddings only); generation needs "
+                "--runner generate"
+            )
 
     def _check_options(self, request: EngineCoreRequest) -> None:
         """stop_token_ids and logit_bias keys in the vocabulary, well-formed mm_inputs,
@@ -267,6 +283,7 @@ class EngineCore:
             enable_prefix_caching=self.cache_config.enable_prefix_caching,
             num_workers=len(self.workers),
             host_id=info.host_id,
+            runner=info.runner or "generate",
         )
 
     def stats(self) -> SchedulerStats:

@@ -9,6 +9,7 @@ from services.types import (
     EngineCoreRequest,
     FinishReason,
     MultiModalInput,
+    PoolingParams,
     RequestTimestamps,
     SamplingParams,
     TokenLogprobs,
@@ -72,6 +73,7 @@ class Request:
         "num_prompt_tokens",
         "num_tokens",
         "pending_prompt_logprobs",
+        "pooling_params",
         "priority",
         "request_id",
         "sampling_params",
@@ -91,6 +93,7 @@ class Request:
         priority: int = 0,
         cache_salt: str = "",
         mm_inputs: list[MultiModalInput] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -100,6 +103,10 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         requested = sampling_params.max_tokens
         self.max_tokens = room if requested is None else min(requested, room)
+        # An embedding request: prefill only; its one "output" is the pooled vector.
+        self.pooling_params = pooling_params
+        if pooling_params is not None:
+            self.max_tokens = 1
         self.arrival_time = arrival_time or time.time()
         self.priority = priority
         self.cache_salt = cache_salt
@@ -130,6 +137,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             mm_inputs=req.mm_inputs,
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -54,8 +54,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
+        pooled_prefix_hits: bool = False,
     ) -> None:
         self.config = config
+        self.pooled_prefix_hits = pooled_prefix_hits  # LAST pooling: only the last row counts
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -66,6 +68,7 @@ class Scheduler:
         self._known: set[str] = set()  # requests whose state the workers hold
         self._finished_ids: list[str] = []  # to report in the next step
         self._preempted_ids: list[str] = []
+        self._pooled: dict[str, bytes] = {}  # vectors of the step being committed, by request
         self._step_id = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -175,7 +178,10 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Move the head of the queue into the running set if its first chunk fits."""
-        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        if request.pooling_params is None or self.pooled_prefix_hits:
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        else:
+            hits, num_hit_tokens = [], 0
         num_new = self._chunk_size(request.num_tokens - num_hit_tokens, plan)
         if request.mm_inputs:
             num_new = self._fit_encoder(request, num_hit_tokens, num_new, plan)
@@ -221,6 +227,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Commit a finished step: progress, sampled tokens, stops; returns the updates to publish."""
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled, strict=False))
+        if runner_output.pooler_output or self._pooled:
+            self._pooled = {p.request_id: p.data for p in runner_output.pooler_output}
         prompt_lps = {lp.request_id: lp.logprobs for lp in runner_output.prompt_logprobs}
         errors = runner_output.request_errors
         outputs = []
@@ -253,6 +261,8 @@ class Scheduler:
             return None  # inside a prefill: a token sampled here is discarded
         request.num_output_placeholders -= 1
         if sampled is None or not sampled.token_ids:
+            if request.pooling_params is not None:
+                return self._pooled_output(request)
             return self._fail(request, "the worker returned no token for a completed prefill")
         new_token_ids, status = self._append_until_stop(request, sampled.token_ids)
         return self._token_output(request, new_token_ids, sampled, status)
@@ -300,6 +310,17 @@ class Scheduler:
             self._finish(request, status)
             output.finish_reason = request.status.finish_reason
             output.stop_reason = request.stop_reason
+        return output
+
+    def _pooled_output(self, request: Request) -> EngineCoreOutput:
+        """A pooled prompt is computed: its vector; done (FINISHED_STOPPED), blocks freed."""
+        data = self._pooled.get(request.request_id)
+        if not data:
+            return self._fail(request, "the worker returned no vector for a pooled prompt")
+        request.timestamps.first_token = time.time()
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        output = self._final_output(request)
+        output.pooling_output = data
         return output
 
     # ---- failures -----------------------------------------------------------

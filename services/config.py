@@ -52,6 +52,26 @@ def _is_network(text: str) -> bool:
     return True
 
 
+Runner = Literal["generate", "pooling"]
+RUNNERS: tuple[Runner, ...] = ("generate", "pooling")
+TASKS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}  # --task aliases
+
+
+def resolve_runner(runner: str | None, task: str | None) -> Runner:
+    """The runner from vLLM's `--runner` or its older `--task` (embed -> pooling); both given
+    must agree. ValueError for an unknown name."""
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, not {task!r}")
+    from_task = TASKS[task] if task is not None else None
+    if runner is not None and from_task is not None and runner != from_task:
+        raise ValueError(f"runner {runner!r} contradicts task {task!r}")
+    chosen = runner or from_task or "generate"
+    for known in RUNNERS:
+        if chosen == known:
+            return known
+    raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {chosen!r}")
+
+
 @dataclass(frozen=True)
 class HubConfig:
     """Where a model named by a Hugging Face Hub id ("org/name") comes from."""
@@ -87,9 +107,16 @@ class ModelConfig:
     seed: int = 0
     # Revision and cache of a Hub id.
     hub: HubConfig = field(default_factory=HubConfig)
+    # What the model runs as (vLLM's --runner): "generate" (completions, chat) or "pooling"
+    # (embeddings: prefill-only requests pooled per the model's sentence-transformers files).
+    runner: Runner = "generate"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must name a directory or 'default'")
+        _require(
+            self.runner in RUNNERS,
+            f"runner must be one of {', '.join(RUNNERS)}, not {self.runner!r}",
+        )
         _require(self.dtype in ("bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
         _require(
             self.bf16_gemm in ("auto", "native", "float32"),

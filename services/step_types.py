@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.types import MultiModalInput, SamplingParams, TokenLogprobs
+from services.types import MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class NewRequestData:
     num_computed_tokens: int = 0
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     resumed_from_preemption: bool = False
+    pooling_params: PoolingParams | None = None  # an embedding request: pooled, not sampled
 
 
 @dataclass(slots=True)
@@ -64,6 +65,14 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class PooledOutput:
+    """The pooled vector of an embedding request whose prompt was completed this step."""
+
+    request_id: str = ""
+    data: bytes = b""  # little-endian float32
+
+
+@dataclass(slots=True)
 class WorkerTimings:
     """Where a worker's time went in one step, in milliseconds."""
 
@@ -84,6 +93,7 @@ class ModelRunnerOutput:
     timings: WorkerTimings = field(default_factory=WorkerTimings)
     request_errors: dict[str, str] = field(default_factory=dict)
     error: str = ""  # the whole step failed (stream form only)
+    pooler_output: list[PooledOutput] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +109,8 @@ class ModelInfo:
     device: str = ""
     instance_id: str = ""  # new on every worker start
     host_id: str = ""  # host + shared-memory namespace (services.tensor_handles.host_id)
+    runner: str = "generate"  # "generate" or "pooling" (embeddings)
+    pooling_type: str = ""  # a pooling runner's LAST / MEAN / CLS / MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +142,7 @@ class ServerInfo:
     enable_prefix_caching: bool = True
     num_workers: int = 1
     host_id: str = ""  # rank 0 worker's host_id
+    runner: str = "generate"  # "generate" or "pooling" (embeddings)
 
 
 @dataclass(slots=True)

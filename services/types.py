@@ -104,6 +104,17 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """How to pool an embedding request (vLLM's PoolingParams for the embed task)."""
+
+    dimensions: int | None = None  # Matryoshka truncation (models that allow it); None: all
+    normalize: bool | None = None  # L2-normalize; None: the model's default
+
+    def __post_init__(self) -> None:
+        _check(self.dimensions is None or self.dimensions >= 1, "dimensions", ">= 1")
+
+
 def _check(ok: bool, name: str, expected: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {expected}")
@@ -172,6 +183,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str = ""
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # set: an embedding request (prefill only)
 
 
 @dataclass(slots=True)
@@ -217,6 +229,7 @@ class EngineCoreOutput:
     timestamps: RequestTimestamps = field(default_factory=RequestTimestamps)
     error: str = ""
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pooling_output: bytes = b""  # an embedding request's vector, little-endian float32
 
     @property
     def finished(self) -> bool:

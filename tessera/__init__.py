@@ -4,16 +4,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from services.types import SamplingParams, StructuredOutputParams, StructuredOutputsParams
+from services.types import (
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputParams,
+    StructuredOutputsParams,
+)
 from tessera.logprobs import Logprob
 
 if TYPE_CHECKING:
+    from tessera.embed import EmbeddingOutput, EmbeddingRequestOutput
     from tessera.llm import LLM, CompletionOutput, RequestOutput
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",
@@ -27,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from tessera import llm
 
         return getattr(llm, name)
+    if name in ("EmbeddingOutput", "EmbeddingRequestOutput"):
+        from tessera import embed
+
+        return getattr(embed, name)
     raise AttributeError(name)

@@ -17,6 +17,7 @@ from gateway.options import (
 )
 from services.default_model import served_name
 from services.hub import add_hub_args, hub_from_args, is_hub_id, resolve_hub_model
+from services.pooling import add_runner_args, runner_from_args
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
 from tessera.launcher import (
@@ -50,6 +51,7 @@ def _serve_parser(
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     add_kernel_args(p)
+    add_runner_args(p)
     p.add_argument(
         "--kv-cache-memory",
         default="2GiB",
@@ -128,6 +130,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
             "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,
+            "--runner", runner_from_args(args),
         ]  # fmt: skip
         scheduler = [
             py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,

@@ -27,16 +27,20 @@ from services.config import (
     SchedulerConfig,
     WorkerConfig,
     parse_bytes,
+    resolve_runner,
 )
-from services.default_model import resolve_model
+from services.default_model import resolve_model, served_name
+from services.pooling import check_pooling_params, read_pooler_config
 from services.types import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
     MultiModalInput,
+    PoolingParams,
     SamplingParams,
     TokenLogprobs,
 )
+from tessera.embed import EmbeddingRequestOutput, embedding_result
 from tessera.logprobs import PositionLogprobs, position_logprobs, prompt_logprobs
 from tessera.prompts import Prompt, parse_prompts
 
@@ -99,12 +103,17 @@ class LLM:
         tensor_parallel_size: int = 1,
         revision: str | None = None,
         download_dir: str | None = None,
+        runner: str | None = None,
+        task: str | None = None,
     ) -> None:
+        """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
+        source = model
         model_dir = resolve_model(model, HubConfig(revision or "", download_dir or ""))
         if model != DEFAULT_MODEL:
             model = str(model_dir)  # a Hub id is looked up (or downloaded) once
+        self.runner = resolve_runner(runner, task)
 
         cache = CacheConfig(
             block_size=block_size,
@@ -112,7 +121,13 @@ class LLM:
             kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
         )
         worker_config = WorkerConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),  # type: ignore[arg-type]
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,  # type: ignore[arg-type]
+                max_model_len=max_model_len,
+                seed=seed,
+                runner=self.runner,
+            ),
             cache=cache,
             attention_backend=attention_backend,  # type: ignore[arg-type]
             num_threads=num_threads,
@@ -128,6 +143,9 @@ class LLM:
         self.tokenizer = Tokenizer.load(model_dir)
         self.mm_processor = MultiModalProcessor.load(model_dir)  # None: text-only
         self.image_limits = ImageLimits()
+        pooling = self.runner == "pooling"
+        self.pooler_config = read_pooler_config(model_dir) if pooling else None
+        self.model_name = served_name(source)
         self._next_id = 0
 
     def generate(
@@ -150,6 +168,36 @@ class LLM:
             for i, prompt_ids in enumerate(images.ids):
                 self._check(prompt_ids, params[i], i)
             return self._run(images.ids, texts, params, use_tqdm, images.mm_inputs)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One pooled vector per prompt (runner "pooling"), in the prompts' order; prompts as
+        in `generate` (text or token ids). All are checked before any is queued."""
+        if self.pooler_config is None:
+            raise ValueError("LLM.embed needs runner='pooling' (or task='embed')")
+        parsed = parse_prompts(prompts, self.tokenizer.encode)
+        params = _per_prompt(pooling_params, len(parsed), PoolingParams)
+        ids = [p.token_ids for p in parsed]
+        for i, (prompt, p) in enumerate(zip(parsed, params, strict=True)):
+            if prompt.images:
+                raise ValueError(f"prompt {i}: embeddings take no images")
+            try:
+                check_pooling_params(p, self.pooler_config, self.model_name)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+            self._check(prompt.token_ids, SamplingParams(), i, p)
+        request_ids = [
+            self._add(t, SamplingParams(), [], p) for t, p in zip(ids, params, strict=True)
+        ]
+        pending = self._drain(request_ids, use_tqdm, "embedding")
+        return [
+            embedding_result(rid, t, pending[rid].last)
+            for rid, t in zip(request_ids, ids, strict=True)
+        ]
 
     def chat(
         self,
@@ -194,32 +242,55 @@ class LLM:
         request_ids = [
             self._add(ids, p, items) for ids, p, items in zip(prompt_ids, params, mm, strict=True)
         ]
-        pending = {rid: _Pending() for rid in request_ids}
-        show = use_tqdm if use_tqdm is not None else len(request_ids) >= TQDM_MIN_PROMPTS
-        with tqdm(total=len(request_ids), desc="generating", disable=not show) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    bar.update(_collect(pending[out.request_id], out))
+        pending = self._drain(request_ids, use_tqdm, "generating")
         return [
             self._result(rid, ids, text, p, pending[rid])
             for rid, ids, text, p in zip(request_ids, prompt_ids, texts, params, strict=True)
         ]
 
-    def _check(self, prompt_ids: list[int], params: SamplingParams, index: int) -> None:
+    def _drain(
+        self, request_ids: list[str], use_tqdm: bool | None, desc: str
+    ) -> dict[str, _Pending]:
+        """Step the engine until every request finished; what each produced."""
+        pending = {rid: _Pending() for rid in request_ids}
+        show = use_tqdm if use_tqdm is not None else len(request_ids) >= TQDM_MIN_PROMPTS
+        with tqdm(total=len(request_ids), desc=desc, disable=not show) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    bar.update(_collect(pending[out.request_id], out))
+        return pending
+
+    def _check(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        index: int,
+        pooling: PoolingParams | None = None,
+    ) -> None:
         """The engine's own validation, before anything is queued; names the prompt."""
         try:
-            self.engine.validate(EngineCoreRequest(str(index), prompt_ids, params))
+            request = EngineCoreRequest(str(index), prompt_ids, params, pooling_params=pooling)
+            self.engine.validate(request)
         except ValueError as exc:
             raise ValueError(f"prompt {index}: {exc}") from None
 
     def _add(
-        self, prompt_ids: list[int], params: SamplingParams, mm_inputs: list[MultiModalInput]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: list[MultiModalInput],
+        pooling: PoolingParams | None = None,
     ) -> str:
         request_id = str(self._next_id)
         self._next_id += 1
         self.engine.add_request(
             EngineCoreRequest(
-                request_id, prompt_ids, params, arrival_time=time.time(), mm_inputs=mm_inputs
+                request_id,
+                prompt_ids,
+                params,
+                arrival_time=time.time(),
+                mm_inputs=mm_inputs,
+                pooling_params=pooling,
             )
         )
         return request_id
@@ -291,11 +362,12 @@ def _collect(pending: _Pending, out: EngineCoreOutput) -> int:
     return 1 if out.finished else 0
 
 
-def _per_prompt(params: Any, n: int) -> list[SamplingParams]:
+def _per_prompt(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:
+    """One params object per prompt: None (the defaults), one for all, or a list of n."""
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [kind()] * n
+    if isinstance(params, kind):
         return [params] * n
     if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        raise ValueError(f"got {len(params)} {kind.__name__} for {n} prompts")
     return list(params)

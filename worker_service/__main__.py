@@ -11,6 +11,7 @@ from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConf
 from services.grpc_utils import set_internal_security
 from services.hub import add_hub_args, hub_from_args
 from services.log import setup_logging
+from services.pooling import add_runner_args, runner_from_args
 from services.security import add_security_args, security_from_args
 from worker_service.cpu_kernels import add_kernel_args
 from worker_service.server import build_server
@@ -29,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default="", help="name reported in ModelInfo")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     add_kernel_args(p)
+    add_runner_args(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
@@ -91,6 +93,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             device=args.device,
             seed=args.seed,
             hub=hub_from_args(args),
+            runner=runner_from_args(args),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from services.step_types import CachedRequestData, NewRequestData
-from services.types import SamplingParams
+from services.types import PoolingParams, SamplingParams
 from worker_service.attention.base import AttentionMetadata
 
 
@@ -31,6 +31,8 @@ class RequestState:
     params: SamplingParams
     resumed: bool = False  # re-sent after preemption: prompt logprobs were already reported
     matcher: Any = None  # llguidance.LLMatcher of a structured-output request (see structured.py)
+    pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
+    pooled: Any = None  # its running pool over the chunks so far (worker_service.pooler)
 
     @property
     def num_outputs(self) -> int:
@@ -61,6 +63,7 @@ class InputBatch:
         self.block_table = np.zeros((max_reqs, self.max_blocks), dtype=np.int32)
         self.free_rows = list(range(max_reqs - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
+        self.num_pooling = 0  # live embedding requests; 0: the runner skips pooling entirely
 
     def add(self, new: NewRequestData) -> RequestState:
         """Take a new (or resumed) request; ValueError if it cannot run on this model."""
@@ -83,6 +86,9 @@ class InputBatch:
             new.sampling_params,
             new.resumed_from_preemption and bool(new.output_token_ids),  # prefill was complete
         )
+        if new.pooling_params is not None:
+            state.pooling = new.pooling_params
+            self.num_pooling += 1
         self.requests[new.request_id] = state
         return state
 
@@ -103,6 +109,8 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.free_rows.append(state.row)
+            if state.pooling is not None:
+                self.num_pooling -= 1
 
     def append_tokens(self, states: list[RequestState], tokens: list[int]) -> None:
         """Append each sampled token to its request's token list."""

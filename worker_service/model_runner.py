@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from services.config import WorkerConfig
+from services.pooling import read_pooler_config
 from services.step_types import (
     ModelRunnerOutput,
     NewRequestData,
@@ -34,6 +35,7 @@ from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
 from worker_service.multimodal import MultiModalInputs
 from worker_service.parallel import TPGroup
+from worker_service.pooler import Pooler
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
 from worker_service.structured import StructuredOutputs
@@ -70,6 +72,8 @@ class ModelRunner:
         self.sampler = Sampler(device, config.model.seed)
         self.structured = StructuredOutputs(model_dir, arch.vocab_size, arch.eos_token_ids)
         self.mm = MultiModalInputs(self.model, self.input_batch)
+        pooling = config.model.runner == "pooling"
+        self.pooler = Pooler(read_pooler_config(model_dir) if pooling else None)
         self.num_blocks = 0
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
@@ -132,6 +136,8 @@ class ModelRunner:
             embeds = self.mm.input_embeds(step)  # None without images in this step
             hidden = self.model(step.input_ids, step.positions, embeds)  # [num_tokens, hidden]
             t2 = time.perf_counter()
+            if self.input_batch.num_pooling:  # embedding requests: pooled, not sampled
+                out.pooler_output = self.pooler.run(step, hidden)
             self._sample_into(out, step, hidden)
             out.prompt_logprobs = self._prompt_logprobs(step, hidden)
         for state, n in zip(step.states, counts, strict=True):
@@ -150,6 +156,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             try:
                 state = self.input_batch.add(new)
+                if new.pooling_params is not None:
+                    self.pooler.check(state)
                 self.structured.attach(state, new.output_token_ids)
                 self.mm.add(new.request_id, new.mm_inputs, new.num_computed_tokens)
             except ValueError as exc:

@@ -66,6 +66,8 @@ class Worker:
             device=str(self.device),
             instance_id=uuid.uuid4().hex,  # new on every start: the scheduler spots a restart
             host_id=host_id(),
+            runner=config.model.runner,
+            pooling_type=pooler.pooling_type if (pooler := self.runner.pooler.config) else "",
         )
         log.info(
             "loaded %s (%s, %s) on %s, attention backend %s",

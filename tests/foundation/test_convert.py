@@ -14,6 +14,7 @@ from services.step_types import (
     ModelInfo,
     ModelRunnerOutput,
     NewRequestData,
+    PooledOutput,
     PromptLogprobs,
     SampledTokens,
     SchedulerOutput,
@@ -27,6 +28,7 @@ from services.types import (
     EngineCoreRequest,
     FinishReason,
     MultiModalInput,
+    PoolingParams,
     RequestTimestamps,
     SamplingParams,
     SharedMemoryLocation,
@@ -90,6 +92,7 @@ CASES: list[Any] = [
         priority=-3,
         cache_salt="tenant-a",
         mm_inputs=[MM],
+        pooling_params=PoolingParams(dimensions=32, normalize=False),
     ),
     EngineCoreOutput(
         request_id="r1",
@@ -101,6 +104,7 @@ CASES: list[Any] = [
         timestamps=RequestTimestamps(queued=1.5, scheduled=2.5, first_token=3.5),
         error="boom",
         prompt_logprobs=[LOGPROBS, LOGPROBS],
+        pooling_output=b"\x00\x00\x80?",
     ),
     SchedulerOutput(
         step_id=9,
@@ -114,6 +118,7 @@ CASES: list[Any] = [
                 num_computed_tokens=16,
                 mm_inputs=[MM],
                 resumed_from_preemption=True,
+                pooling_params=PoolingParams(dimensions=8, normalize=True),
             )
         ],
         scheduled_cached_reqs=[
@@ -132,6 +137,7 @@ CASES: list[Any] = [
         timings=WorkerTimings(prepare_ms=0.5, forward_ms=10.25, sample_ms=0.75, total_ms=11.5),
         request_errors={"e": "bad logit_bias"},
         error="step failed",
+        pooler_output=[PooledOutput(request_id="p", data=b"\x00\x00\x80?")],
     ),
     ModelInfo(
         model_name="m",
@@ -143,6 +149,8 @@ CASES: list[Any] = [
         device="cpu",
         instance_id="5f0c2a",
         host_id="h/boot",
+        runner="pooling",
+        pooling_type="MEAN",
     ),
     KVCacheSpec(
         num_layers=30,
@@ -166,6 +174,7 @@ CASES: list[Any] = [
         enable_prefix_caching=True,
         num_workers=2,
         host_id="h/boot",
+        runner="pooling",
     ),
     SchedulerStats(
         num_running=3,

@@ -47,11 +47,13 @@ class Stack:
         self.thread.join(10)
 
 
-def start_stack(tokenizer: Tokenizer, replicas: int = 1, **config: Any) -> Stack:
+def start_stack(
+    tokenizer: Tokenizer, replicas: int = 1, runner: str = "generate", **config: Any
+) -> Stack:
     """Start a fake engine and a gateway with `config` overrides; returns once both serve.
     With `replicas` > 1 the one fake engine is served by that many gRPC servers, each an
     engine replica of the gateway (data parallel): `engine` records the requests of all."""
-    engine = FakeEngine(tokenizer.encode(ANSWER, add_special_tokens=False))
+    engine = FakeEngine(tokenizer.encode(ANSWER, add_special_tokens=False), runner=runner)
     loop = asyncio.new_event_loop()
     ready: dict[str, Any] = {}
 

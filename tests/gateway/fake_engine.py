@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,11 @@ def cached_tokens(prompt_len: int) -> int:
     return (prompt_len // 2) // 16 * 16
 
 
+def fake_vector(prompt: list[int]) -> list[float]:
+    """The vector the fake answers an embedding request with."""
+    return [float(len(prompt)), float(prompt[0]), 0.5, -1.0]
+
+
 def fake_logprob(position: int) -> float:
     return -0.25 * (position + 1)
 
@@ -46,6 +52,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
     started: dict[str, float] = field(default_factory=dict)
     fail_after: int | None = None  # send an ERROR output after this many tokens
     host_id: str = ""  # reported in ServerInfo: the gateway's host_id makes it send shm handles
+    runner: str = "generate"  # reported in ServerInfo; "pooling": embedding requests answered
 
     async def Generate(self, request: Any, context: Any) -> Any:
         req = from_proto(request, EngineCoreRequest)
@@ -104,6 +111,9 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
                 self.cancelled_at[req.request_id] = time.monotonic()
 
     def _outputs(self, req: EngineCoreRequest) -> Any:
+        if req.pooling_params is not None:
+            yield self._pooled(req)
+            return
         params = req.sampling_params
         ids = [*self.answer_ids, EOS]
         limit = params.max_tokens or len(ids)
@@ -124,6 +134,15 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
             if out.finished:
                 return
 
+    def _pooled(self, req: EngineCoreRequest) -> EngineCoreOutput:
+        """One final update with the vector [len(prompt), first id, 0.5, -1] (float32)."""
+        if self.fail_after is not None:
+            return EngineCoreOutput(req.request_id, finish_reason=FinishReason.ERROR, error="boom")
+        vector = fake_vector(req.prompt_token_ids)
+        out = EngineCoreOutput(req.request_id, finish_reason=FinishReason.STOP)
+        out.pooling_output = struct.pack(f"<{len(vector)}f", *vector)
+        return out
+
     def _logprobs(self, token: int, position: int, k: int) -> TokenLogprobs:
         top = [token, *range(100, 100 + k - 1)][:k] if k else []
         return TokenLogprobs(
@@ -140,7 +159,9 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
         return engine_pb2.AbortResponse(num_aborted=len(request.request_ids))
 
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
-        info = ServerInfo(MODEL_NAME, MAX_MODEL_LEN, 49152, 16, 100, (EOS,), "test", "1")
+        info = ServerInfo(
+            MODEL_NAME, MAX_MODEL_LEN, 49152, 16, 100, (EOS,), "test", "1", runner=self.runner
+        )
         info = dataclasses.replace(info, host_id=self.host_id)
         return to_proto(info, engine_pb2.ServerInfo)
 
