@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from services.types import SamplingParams
+from tessera.prompts import TokensPrompt
 from tests.hf_reference import hf_greedy
 from tests.worker.tiny_moe import ARCHITECTURES, VOCAB, save_tiny_moe
 from worker_service.models.moe import fused_moe_torch, select_experts
@@ -45,7 +46,7 @@ def _tessera_greedy(path: Path, max_num_batched_tokens: int) -> list[list[int]]:
         max_num_seqs=8,
     )
     try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], GREEDY)
         return [list(o.outputs[0].token_ids) for o in outputs]
     finally:
         llm.shutdown()
@@ -78,7 +79,7 @@ def test_fused_3d_expert_layout_loads_the_same(tmp_path: Path, default_model_dir
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         got = [list(o.outputs[0].token_ids) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS[:2]], params)]  # fmt: skip
+            [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]], params)]  # fmt: skip
     finally:
         llm.shutdown()
     assert got == expected
