@@ -141,14 +141,15 @@ class MixtralForCausalLM(LlamaForCausalLM):
         one; the loader's own rule applies)."""
         name = full_name.removeprefix("model.")
         if m := _EXPERT.search(name):
-            moe = self._experts(int(m[1]))
+            moe, proj = self._experts(int(m[1])), m[3]
             start, end = moe.inter_start, moe.inter_end
         elif m := _SHARED.search(name):
+            proj = m[2]
             start, end = self._block(int(m[1])).shared_range
         else:
             return f.get_tensor(full_name) if _FUSED3D.search(name) else None
-        sl = f.get_slice(full_name)
-        return sl[:, start:end] if _PART.get(m[2]) == 2 else sl[start:end]
+        sl = f.get_slice(full_name)  # down projections: input columns; gate/up: output rows
+        return sl[:, start:end] if _PART[proj] == 2 else sl[start:end]
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> set[str] | None:
         """Copy an MoE checkpoint tensor into its place; the names it filled (None: not an
