@@ -108,6 +108,8 @@ def fused_moe_torch(
     Grouped: one GEMM per expert hit, over the rows routed to it (in the weights' dtype),
     outputs scaled by their routing weight and index-added per token in ascending expert
     order (HF's order of additions)."""
+    if ids.shape[0] == 1:  # one token (decode at batch 1): no grouping to do
+        return _one_token_moe(x, w13, w2, weights, ids)
     k = ids.shape[1]
     order, counts = sort_by_expert(ids, w13.shape[0])
     tokens = order // k  # [n * k] the token of each sorted (token, slot) pair
@@ -127,6 +129,22 @@ def fused_moe_torch(
     expert_out = torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])  # [n * k, H]
     weighted = (expert_out * scale).to(x.dtype)  # (float32 weights promote, as HF's do)
     return torch.zeros_like(x).index_add_(0, tokens, weighted)
+
+
+def _one_token_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """fused_moe_torch for x [1, H]: its k experts in ascending id order, summed from zero."""
+    inter = w2.shape[2]
+    row = x.to(w13.dtype)
+    out = torch.zeros_like(x)
+    slots = sorted(range(ids.shape[1]), key=lambda s: int(ids[0, s]))
+    for slot in slots:
+        e = int(ids[0, slot])
+        gate, up = F.linear(row, w13[e]).to(x.dtype).split(inter, dim=-1)  # [1, I] each
+        y = F.linear((F.silu(gate) * up).to(w2.dtype), w2[e]).to(x.dtype)  # [1, H]
+        out = out + (y * weights[0, slot]).to(x.dtype)
+    return out
 
 
 def fused_moe(
