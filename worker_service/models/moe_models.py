@@ -44,17 +44,34 @@ class OlmoeAttention(PagedAttention):
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup) -> None:
         super().__init__(dataclasses.replace(cfg, qk_norm=False), backend, tp)
-        if tp.size > 1:
-            raise ValueError("OLMoE's whole-projection q/k norm is not split over ranks yet")
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, cfg.rms_norm_eps)
         clip = cfg.raw.get("clip_qkv")
         self.clip = None if clip is None else float(clip)
+        # tensor parallel: this rank holds some heads; the norm's mean square is over all
+        self.tp = tp
+        self.totals = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, q_size], k [n, kv_size] -> RMS-normed over the whole (all ranks') width."""
+        assert self.q_norm is not None and self.k_norm is not None
+        if self.tp.size == 1:
+            return self.q_norm.norm(q), self.k_norm.norm(k)
+        qf, kf = q.float(), k.float()
+        sums = torch.stack([qf.square().sum(-1), kf.square().sum(-1)], dim=1)  # [n, 2]
+        sums = self.tp.all_reduce(sums)
+        out = []
+        for x, xf, total, s, norm in zip(
+            (q, k), (qf, kf), self.totals, sums.unbind(1), (self.q_norm, self.k_norm), strict=True
+        ):
+            scaled = xf * torch.rsqrt(s / total + norm.eps).unsqueeze(1)
+            out.append(scaled.to(x.dtype) * norm.weight)
+        return out[0], out[1]
 
     def forward(self, x: torch.Tensor, cis: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n, q_size = x.shape[0], self.num_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, self.split[1], self.split[1]], dim=-1)
-        q, k = self.q_norm.norm(q), self.k_norm.norm(k)  # type: ignore[union-attr]
+        q, k = self._norm_qk(q, k)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         qk = torch.cat([q, k], dim=-1).view(n, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -234,6 +251,15 @@ class OlmoeForCausalLM(Qwen2MoeForCausalLM):
     """OLMoE: whole-projection q/k norm, clip_qkv, every layer sparse."""
 
     attention = OlmoeAttention
+
+    def read_checkpoint_share(self, f: Any, full_name: str) -> torch.Tensor | None:
+        """Tensor parallel: the q/k norm weights span all heads; this rank reads its heads'."""
+        if full_name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            hd, shard = self.config.head_dim, self.shard
+            q = (shard.q_start * hd, (shard.q_start + shard.num_heads) * hd)
+            start, end = q if "q_norm" in full_name else (shard.kv_start * hd, shard.kv_end * hd)
+            return f.get_slice(full_name)[start:end]
+        return super().read_checkpoint_share(f, full_name)
 
     @classmethod
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
