@@ -113,6 +113,18 @@ def test_grouped_experts_equal_per_token_loop(dtype: torch.dtype, n: int) -> Non
     torch.testing.assert_close(got, per_token_moe(x, w13, w2, weights, ids), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("n", [1, 9])
+def test_expert_halves_sum_to_the_whole(n: int) -> None:
+    """Expert parallel: each rank runs only its experts' pairs; the sum is the whole."""
+    torch.manual_seed(n)
+    x, w13, w2 = torch.randn(n, 32), torch.randn(6, 48, 32) / 6, torch.randn(6, 32, 24) / 5
+    weights, ids = select_experts(torch.randn(n, 6), 3, True, True)
+    halves = [
+        fused_moe_torch(x, w13[s], w2[s], weights, ids, s.start) for s in (slice(0, 2), slice(2, 6))
+    ]
+    torch.testing.assert_close(halves[0] + halves[1], fused_moe_torch(x, w13, w2, weights, ids))
+
+
 def test_select_experts_renormalises_only_when_asked() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
     w, ids = select_experts(logits, 2, False, False)

@@ -67,9 +67,9 @@ def moe_config(cfg: ModelArchConfig, **family: Any) -> MoeConfig:
 
 
 def split_range(total: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank `rank`'s [start, end) of `total` columns split as evenly as possible."""
+    """Rank `rank`'s [start, end) of `total` columns (or experts) split as evenly as possible."""
     if total < size:
-        raise ValueError(f"cannot split {total} expert columns over {size} ranks")
+        raise ValueError(f"cannot split {total} expert columns / experts over {size} ranks")
     sizes = [total // size + (r < total % size) for r in range(size)]
     start = sum(sizes[:rank])
     return start, start + sizes[rank]
@@ -102,23 +102,28 @@ def fused_moe_torch(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """x [n, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [n, k] -> [n, H] in x's dtype.
 
     Grouped: one GEMM per expert hit, over the rows routed to it (in the weights' dtype),
     outputs scaled by their routing weight and index-added per token in ascending expert
-    order (HF's order of additions)."""
+    order (HF's order of additions). Expert parallel: w13[i] is global expert
+    first_expert + i, and pairs routed to experts held elsewhere are skipped."""
     if ids.shape[0] == 1:  # one token (decode at batch 1): no grouping to do
-        return _one_token_moe(x, w13, w2, weights, ids)
-    k = ids.shape[1]
-    order, counts = sort_by_expert(ids, w13.shape[0])
-    tokens = order // k  # [n * k] the token of each sorted (token, slot) pair
-    rows = x.index_select(0, tokens).to(w13.dtype)  # [n * k, H]
-    scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [n * k, 1]
+        return _one_token_moe(x, w13, w2, weights, ids, first_expert)
+    k, local = ids.shape[1], w13.shape[0]
+    order, counts = sort_by_expert(ids, first_expert + local)
+    skip = int(counts[:first_expert].sum()) if first_expert else 0
+    sizes = counts[first_expert : first_expert + local].tolist()
+    order = order[skip : skip + sum(sizes)]  # this rank's pairs, by ascending expert
+    tokens = order // k  # [pairs] the token of each sorted (token, slot) pair
+    rows = x.index_select(0, tokens).to(w13.dtype)  # [pairs, H]
+    scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [pairs, 1]
     inter = w2.shape[2]
     outs = []
     start = 0
-    for e, count in enumerate(counts.tolist()):
+    for e, count in enumerate(sizes):
         if count == 0:
             continue
         group = rows[start : start + count]  # [count, H]
@@ -126,21 +131,28 @@ def fused_moe_torch(
         gate, up = F.linear(group, w13[e]).to(x.dtype).split(inter, dim=-1)  # [count, I]
         outs.append(F.linear((F.silu(gate) * up).to(w2.dtype), w2[e]).to(x.dtype))
         start += count
-    expert_out = torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])  # [n * k, H]
+    expert_out = torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])  # [pairs, H]
     weighted = (expert_out * scale).to(x.dtype)  # (float32 weights promote, as HF's do)
     return torch.zeros_like(x).index_add_(0, tokens, weighted)
 
 
 def _one_token_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int,
 ) -> torch.Tensor:
     """fused_moe_torch for x [1, H]: its k experts in ascending id order, summed from zero."""
     inter = w2.shape[2]
     row = x.to(w13.dtype)
     out = torch.zeros_like(x)
-    slots = sorted(range(ids.shape[1]), key=lambda s: int(ids[0, s]))
-    for slot in slots:
-        e = int(ids[0, slot])
+    chosen = sorted((int(e), slot) for slot, e in enumerate(ids[0].tolist()))
+    for expert, slot in chosen:
+        e = expert - first_expert
+        if not 0 <= e < w13.shape[0]:
+            continue  # held by another rank (expert parallel)
         gate, up = F.linear(row, w13[e]).to(x.dtype).split(inter, dim=-1)  # [1, I] each
         y = F.linear((F.silu(gate) * up).to(w2.dtype), w2[e]).to(x.dtype)  # [1, H]
         out = out + (y * weights[0, slot]).to(x.dtype)
@@ -148,28 +160,42 @@ def _one_token_moe(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """The grouped expert MLP on x's device: Triton on CUDA, torch elsewhere."""
-    if x.is_cuda:
-        from worker_service.models.moe_triton import fused_moe_triton
+    if not x.is_cuda:
+        return fused_moe_torch(x, w13, w2, weights, ids, first_expert)
+    from worker_service.models.moe_triton import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, weights, ids)
-    return fused_moe_torch(x, w13, w2, weights, ids)
+    if first_expert or w13.shape[0] < int(ids.max()) + 1:  # expert parallel: others' -> 0
+        local = (ids >= first_expert) & (ids < first_expert + w13.shape[0])
+        weights = torch.where(local, weights, torch.zeros_like(weights))
+        ids = torch.where(local, ids - first_expert, torch.zeros_like(ids))
+    return fused_moe_triton(x, w13, w2, weights, ids)
 
 
 class FusedMoE(nn.Module):
-    """Router + stacked experts (this rank's intermediate slice of each); no all-reduce."""
+    """Router + stacked experts; no all-reduce. Tensor parallel: this rank's intermediate
+    slice of every expert; expert parallel (`tp.expert_parallel`): whole experts, this
+    rank's share of the expert ids."""
 
     def __init__(self, hidden: int, moe: MoeConfig, tp: TPGroup) -> None:
         super().__init__()
         self.moe = moe
-        start, end = split_range(moe.intermediate, tp.rank, tp.size)
-        self.inter_start, self.inter_end = start, end
-        inter = end - start
+        self.expert_parallel = getattr(tp, "expert_parallel", False) and tp.size > 1
+        split = (0, 1) if self.expert_parallel else (tp.rank, tp.size)
+        self.inter_start, self.inter_end = split_range(moe.intermediate, *split)
+        split = (tp.rank, tp.size) if self.expert_parallel else (0, 1)
+        self.expert_start, self.expert_end = split_range(moe.num_experts, *split)
+        inter, experts = self.inter_end - self.inter_start, self.expert_end - self.expert_start
         self.gate = Linear(hidden, moe.num_experts, bias=False)  # router (replicated)
-        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden), False)
-        self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden, inter), False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden), False)
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter), False)
         self.compute: tuple[torch.Tensor, torch.Tensor] | None = None  # set by pack()
 
     def pack(self, dtype: torch.dtype) -> None:
@@ -183,7 +209,7 @@ class FusedMoE(nn.Module):
             self.gate(x), self.moe.top_k, self.moe.norm_topk_prob, self.moe.fp32_weights
         )
         w13, w2 = self.compute or (self.w13, self.w2)
-        return fused_moe(x, w13, w2, weights, ids)
+        return fused_moe(x, w13, w2, weights, ids, self.expert_start)
 
 
 class SparseMoeBlock(nn.Module):

@@ -126,6 +126,11 @@ class MixtralForCausalLM(LlamaForCausalLM):
             MoeDecoderLayer(cfg, backend, self.tp, self.moe, i, self.attention)
             for i in range(cfg.num_layers)
         )
+        experts = [m for m in self.modules() if isinstance(m, FusedMoE)]
+        # the global expert ids this rank holds (all but under expert parallelism)
+        self.expert_ids = range(
+            *((experts[0].expert_start, experts[0].expert_end) if experts else (0, 0))
+        )
 
     @classmethod
     def moe_config(cls, cfg: ModelArchConfig) -> MoeConfig:
@@ -159,6 +164,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
         name = full_name.removeprefix("model.")
         if m := _EXPERT.search(name):
             moe, proj = self._experts(int(m[1])), m[3]
+            if int(m[2]) not in self.expert_ids:
+                return torch.empty(0)  # another rank's expert (expert parallel): not read
             start, end = moe.inter_start, moe.inter_end
         elif m := _SHARED.search(name):
             proj = m[2]
@@ -178,11 +185,13 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if m := _EXPERT.search(name):
             layer, expert, part = int(m[1]), int(m[2]), _PART[m[3]]
             moe = self._experts(layer)
-            inter = moe.inter_end - moe.inter_start
+            if expert not in self.expert_ids:
+                return set()  # another rank's (expert parallel)
+            inter, local = moe.inter_end - moe.inter_start, expert - moe.expert_start
             if part == 2:
-                moe.w2.data[expert].copy_(tensor)
+                moe.w2.data[local].copy_(tensor)
             else:
-                moe.w13.data[expert, part * inter : (part + 1) * inter].copy_(tensor)
+                moe.w13.data[local, part * inter : (part + 1) * inter].copy_(tensor)
             return {f"layers.{layer}.mlp.experts.{'w2' if part == 2 else 'w13'}#{expert}.{part}"}
         if m := _FUSED3D.search(name):
             return self._load_fused3d(int(m[1]), m[2], tensor)
@@ -200,24 +209,25 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def _load_fused3d(self, layer: int, proj: str, tensor: torch.Tensor) -> set[str]:
         moe = self._experts(layer)
         start, end = moe.inter_start, moe.inter_end
-        full = self.moe.intermediate
+        full, ids = self.moe.intermediate, self.expert_ids
+        tensor = tensor[ids.start : ids.stop]  # this rank's experts
         if proj == "down_proj":  # [E, H, I]
             moe.w2.data.copy_(tensor[:, :, start:end])
-            parts = [(e, 2) for e in range(self.moe.num_experts)]
+            parts = [(e, 2) for e in ids]
         else:  # [E, 2I, H]: gate rows then up rows
             moe.w13.data.copy_(
                 torch.cat([tensor[:, start:end], tensor[:, full + start : full + end]], 1)
             )
-            parts = [(e, p) for e in range(self.moe.num_experts) for p in (0, 1)]
+            parts = [(e, p) for e in ids for p in (0, 1)]
         return {f"layers.{layer}.mlp.experts.{'w2' if p == 2 else 'w13'}#{e}.{p}" for e, p in parts}
 
     def checkpoint_parts(self, param: str) -> list[str] | None:
         """The loaded-names a stacked / fused MoE parameter needs (None: the loader's rule)."""
         prefix, _, leaf = param.rpartition(".")
         if leaf == "w13":
-            return [f"{prefix}.w13#{e}.{p}" for e in range(self.moe.num_experts) for p in (0, 1)]
+            return [f"{prefix}.w13#{e}.{p}" for e in self.expert_ids for p in (0, 1)]
         if leaf == "w2":
-            return [f"{prefix}.w2#{e}.2" for e in range(self.moe.num_experts)]
+            return [f"{prefix}.w2#{e}.2" for e in self.expert_ids]
         if ".shared_expert." in param:
             block = prefix.split(".shared_expert.")[0]
             return [f"{block}.shared_expert#{p}" for p in ((0, 1) if "gate_up" in param else (2,))]
