@@ -144,3 +144,28 @@ def test_sliding_window_mixtral_is_refused(tmp_path: Path, default_model_dir: Pa
         load_model(path, torch.float32, torch.device("cpu"), ReferenceAttentionBackend())
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["sliding_window"] == 16
+
+
+def test_bf16_on_cpu_runs_experts_as_the_kernel_choice_says(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """bf16 on CPU: the experts follow the dense GEMM choice (float32 copies where bf16 is
+    emulated, as Linear.pack does), and greedy decoding starts as HF's bf16 does."""
+    from tessera import LLM
+    from worker_service.cpu_kernels import choose_kernels, read_cpu_info
+    from worker_service.models.moe import FusedMoE
+
+    path = save_tiny_moe("qwen2_moe", tmp_path / "bf16", default_model_dir)
+    prompts = PROMPTS[:4]
+    expected = hf_greedy(path, prompts, 3, "bfloat16")
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory="64MiB")
+    try:
+        choice = choose_kernels(llm.worker.runner.config.model, read_cpu_info())
+        moes = [m for m in llm.worker.runner.model.modules() if isinstance(m, FusedMoE)]
+        packed = not choice.hf_exact and choice.float32_gemms
+        assert all((m.compute is not None) == packed for m in moes) and moes
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
