@@ -166,13 +166,15 @@ def fused_moe(
     weights: torch.Tensor,
     ids: torch.Tensor,
     first_expert: int = 0,
+    num_experts: int = 0,
 ) -> torch.Tensor:
-    """The grouped expert MLP on x's device: Triton on CUDA, torch elsewhere."""
+    """The grouped expert MLP on x's device: Triton on CUDA, torch elsewhere. Expert
+    parallel: w13/w2 hold experts first_expert.. of `num_experts` (0: all of them)."""
     if not x.is_cuda:
         return fused_moe_torch(x, w13, w2, weights, ids, first_expert)
     from worker_service.models.moe_triton import fused_moe_triton
 
-    if first_expert or w13.shape[0] < int(ids.max()) + 1:  # expert parallel: others' -> 0
+    if num_experts and w13.shape[0] < num_experts:  # expert parallel: others' pairs -> 0
         local = (ids >= first_expert) & (ids < first_expert + w13.shape[0])
         weights = torch.where(local, weights, torch.zeros_like(weights))
         ids = torch.where(local, ids - first_expert, torch.zeros_like(ids))
@@ -209,7 +211,7 @@ class FusedMoE(nn.Module):
             self.gate(x), self.moe.top_k, self.moe.norm_topk_prob, self.moe.fp32_weights
         )
         w13, w2 = self.compute or (self.w13, self.w2)
-        return fused_moe(x, w13, w2, weights, ids, self.expert_start)
+        return fused_moe(x, w13, w2, weights, ids, self.expert_start, self.moe.num_experts)
 
 
 class SparseMoeBlock(nn.Module):

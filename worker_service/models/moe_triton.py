@@ -23,21 +23,22 @@ def align_by_expert(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [n, k] -> (sorted_pairs [P]: flat pair indices grouped by expert, each group
-    padded to a multiple of block_m with the sentinel n * k; block_expert [P // block_m])."""
+    padded to a multiple of block_m with the sentinel n * k; block_expert [P // block_m]:
+    each block's expert, num_experts for the unused blocks at the end). P is the bound
+    n * k + E * (block_m - 1), rounded up to block_m, so no step waits on the device."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(counts, 0) - counts  # [E] first sorted index of each expert
-    padded_start = torch.cumsum(padded, 0) - padded
+    padded_end = torch.cumsum(padded, 0)
     experts = flat.index_select(0, order)  # [n * k] ascending
     rank = torch.arange(flat.numel(), device=ids.device) - start.index_select(0, experts)
-    total = int(padded.sum())
+    total = -(-(flat.numel() + num_experts * (block_m - 1)) // block_m) * block_m
     sorted_pairs = torch.full((total,), flat.numel(), dtype=torch.int64, device=ids.device)
-    sorted_pairs[padded_start.index_select(0, experts) + rank] = order
-    block_expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=ids.device), padded // block_m
-    )
+    sorted_pairs[(padded_end - padded).index_select(0, experts) + rank] = order
+    block_starts = torch.arange(0, total, block_m, device=ids.device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)  # E: unused
     return sorted_pairs, block_expert
 
 
@@ -48,7 +49,8 @@ def _grouped_gemm_kernel(
     c_ptr,  # [n * k, N]: one row per (token, slot) pair
     weight_ptr,  # [n * k] routing weights (read when MUL_WEIGHT)
     sorted_ptr,  # [P] pair indices, padded with num_pairs
-    block_expert_ptr,  # [P // BLOCK_M]
+    block_expert_ptr,  # [P // BLOCK_M], num_experts past the used blocks
+    num_experts,
     num_pairs,
     N,
     K,
@@ -65,9 +67,11 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return  # a padding block past the last expert's pairs
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.where(valid, pairs // A_DIV, 0)
@@ -112,7 +116,7 @@ def grouped_gemm(
     a, w = a.contiguous(), w.contiguous()
     _grouped_gemm_kernel[grid](
         a, w, c, weights if weights is not None else c, sorted_pairs, block_expert,
-        num_pairs, n_out, k_in, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        w.shape[0], num_pairs, n_out, k_in, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         A_DIV=a_div, MUL_WEIGHT=weights is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=interpreted() and a.dtype == torch.bfloat16,
