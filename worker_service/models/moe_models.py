@@ -26,7 +26,10 @@ from worker_service.models.moe import FusedMoE, MoeConfig, SparseMoeBlock, moe_c
 from worker_service.parallel import TPGroup, layer_shard
 
 # layers.{i}.{block}.experts.{e}.{proj}.weight -> (layer, expert, projection)
-_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(
+    r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
 # layers.{i}.{block}.experts.{gate_up_proj|down_proj}: fused 3D expert tensors
 _FUSED3D = re.compile(
     r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$"
