@@ -205,6 +205,9 @@ class ParallelConfig:
     init_method: str = ""
     # Rank 0 starts ranks 1..N-1 as local processes; off when they run elsewhere.
     spawn_ranks: bool = True
+    # MoE experts split over the ranks by expert id (whole experts) rather than each
+    # expert's intermediate columns (vLLM's --enable-expert-parallel); attention stays TP.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")

@@ -101,6 +101,11 @@ def _serve_parser(
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="worker ranks the model is split over"
     )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE: split the experts over the ranks by expert id (default: by intermediate size)",
+    )
     p.set_defaults(func=serve if name == "serve" else engine, engine_only=name == "engine")
 
 
@@ -131,6 +136,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
             "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,
             "--runner", runner_from_args(args),
+            *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
         ]  # fmt: skip
         scheduler = [
             py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,

@@ -101,6 +101,7 @@ class LLM:
         num_threads: int = 0,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         revision: str | None = None,
         download_dir: str | None = None,
         runner: str | None = None,
@@ -133,7 +134,10 @@ class LLM:
             num_threads=num_threads,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
+            ),
         )
         self.worker = Worker(worker_config)  # tensor parallel: starts ranks 1..N-1
         scheduler = SchedulerConfig(

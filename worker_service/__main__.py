@@ -78,6 +78,11 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="rank 0 does not start ranks 1..N-1 itself (they run elsewhere)",
     )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split MoE experts over the ranks by expert id (default: by intermediate size)",
+    )
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
@@ -108,6 +113,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             tensor_parallel_size=args.tensor_parallel_size,
             init_method=args.tp_init_method,
             spawn_ranks=not args.tp_no_spawn,
+            enable_expert_parallel=args.enable_expert_parallel,
         ),
     )
 

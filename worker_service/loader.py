@@ -55,18 +55,20 @@ def load_model(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if tp.size > 1:  # (vision towers, never split, only load with tp.size 1)
-                    tensor = _read_share(f, name, model.shard, model.config.head_dim)
-                else:
-                    tensor = f.get_tensor(name)
+                # (vision towers, never split, only load with tp.size 1)
+                tensor = _read_share(model, f, name) if tp.size > 1 else f.get_tensor(name)
                 loaded |= _load_tensor(model, model.config, name, tensor, model.shard)
     _check_complete(model, loaded)
     _log_weight_bytes(model, tp)
     return model.eval()
 
 
-def _read_share(f: Any, name: str, shard: LayerShard, head_dim: int) -> torch.Tensor:
+def _read_share(model: LlamaForCausalLM, f: Any, name: str) -> torch.Tensor:
     """Checkpoint tensor `name`, or only this rank's slice of it (never the whole)."""
+    custom = getattr(model, "read_checkpoint_share", None)  # MoE experts split their own way
+    if custom is not None and (tensor := custom(f, name)) is not None:
+        return tensor
+    shard, head_dim = model.shard, model.config.head_dim
     parts = name.split(".")
     proj = parts[-2] if len(parts) >= 3 else ""
     q = (shard.q_start * head_dim, (shard.q_start + shard.num_heads) * head_dim)
@@ -117,6 +119,9 @@ def _load_tensor(
         return set()
     if name.endswith("lm_head.weight") and cfg.tie_word_embeddings:
         return set()
+    custom = getattr(model, "load_checkpoint_tensor", None)  # MoE: stacked expert weights
+    if custom is not None and (filled := custom(name, tensor)) is not None:
+        return set(filled)
     params = dict(model.named_parameters())
     parts = name.split(".")
     fused_target = _fused_target(parts)
@@ -155,8 +160,11 @@ def _fused_rows(cfg: ModelArchConfig, fused: str, part: int, shard: LayerShard) 
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
     """Every parameter (every shard of a fused one) must have come from the checkpoint."""
     missing = []
+    custom = getattr(model, "checkpoint_parts", lambda name: None)  # MoE: per-expert parts
     for name, _ in model.named_parameters():
-        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+        if (parts := custom(name)) is not None:
+            missing += [part for part in parts if part not in loaded]
+        elif name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             missing += [f"{name}#{i}" for i in range(3) if f"{name}#{i}" not in loaded]
         elif name.endswith("gate_up_proj.weight"):
             missing += [f"{name}#{i}" for i in range(2) if f"{name}#{i}" not in loaded]

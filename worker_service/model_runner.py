@@ -55,6 +55,7 @@ class ModelRunner:
         self.tp = tp or TPGroup()  # tensor parallel: this rank's share of the model and KV
         self.dtype = DTYPES[config.model.dtype]
         self.backend = get_attention_backend(config.attention_backend, device)
+        self.tp.expert_parallel = config.parallel.enable_expert_parallel
         self.model = load_model(model_dir, self.dtype, device, self.backend, self.tp)
         if self.dtype == torch.bfloat16 and device.type == "cpu":
             self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))

@@ -73,6 +73,7 @@ class TPGroup:
         self.children: list[subprocess.Popen[bytes]] = []
         self.on_stop: list[Callable[[], None]] = []  # run once the group is left
         self._stopping = False
+        self.expert_parallel = False  # MoE experts split by id, not by columns (ModelRunner)
 
     @property
     def is_driver(self) -> bool:

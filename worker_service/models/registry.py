@@ -5,6 +5,12 @@ from __future__ import annotations
 from worker_service.models.idefics3 import Idefics3ForConditionalGeneration
 from worker_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from worker_service.models.llava import LlavaForConditionalGeneration
+from worker_service.models.moe_models import (
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -13,6 +19,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
