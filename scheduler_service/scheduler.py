@@ -31,6 +31,7 @@ from scheduler_service.encoder_budget import fit_encoder_budget
 from scheduler_service.kv_cache_manager import KVCacheManager
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_queue import make_queue
+from scheduler_service.spec_decode import SpecDecodeStats, fit_drafts, num_rejected
 from scheduler_service.step_plan import StepPlan
 from scheduler_service.stop import check_stop
 from services.config import SchedulerConfig
@@ -71,6 +72,9 @@ class Scheduler:
         self.num_finished = 0
         self.num_steps = 0
         self.queue_times: deque[float] = deque(maxlen=_RECENT)
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_stats = SpecDecodeStats()
 
     # ---- admission and abort -------------------------------------------------
 
@@ -133,11 +137,27 @@ class Scheduler:
                 num_new = self._fit_encoder(request, start, num_new, plan)
             if num_new == 0:
                 continue
+            if num_new == 1 and request.spec_token_ids and self._schedule_drafts(request, plan):
+                continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_fits(request, num_new, plan)
             if new_block_ids is not None:
                 plan.add_cached(request, num_new, new_block_ids)
+
+    def _schedule_drafts(self, request: Request, plan: StepPlan) -> bool:
+        """Schedule a decode with its pending drafts if their slots fit without preempting
+        anyone; False (drafts dropped) leaves the plain decode to the caller."""
+        drafts = fit_drafts(request, plan.budget - 1, self.max_model_len, self.num_spec_tokens)
+        request.spec_token_ids = []
+        if not drafts:
+            return False
+        new_block_ids = self.kv.allocate_slots(request, 1 + len(drafts))
+        if new_block_ids is None:
+            return False
+        plan.add_cached(request, 1 + len(drafts), new_block_ids)
+        plan.spec[request.request_id] = drafts
+        return True
 
     def _preempt_until_fits(
         self, request: Request, num_new: int, plan: StepPlan
@@ -159,6 +179,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_inflight_tokens = request.num_output_placeholders = 0  # its result is dropped
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.waiting.prepend(request)
         self.num_preemptions += 1
@@ -226,6 +247,9 @@ class Scheduler:
         errors = runner_output.request_errors
         outputs = []
         get_request, get_sampled = self.requests.get, sampled.get
+        drafts = {
+            d.request_id: len(d.token_ids) for d in scheduler_output.scheduled_spec_decode_tokens
+        }
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
@@ -235,11 +259,44 @@ class Scheduler:
             if errors and request_id in errors:
                 outputs.append(self._fail(request, errors[request_id]))
                 continue
-            output = self._commit(request, num_tokens, get_sampled(request_id))
+            if drafts and request_id in drafts:
+                output = self._commit_drafts(
+                    request, num_tokens, get_sampled(request_id), drafts[request_id]
+                )
+            else:
+                output = self._commit(request, num_tokens, get_sampled(request_id))
             if output is not None:
                 outputs.append(output)
+        if runner_output.draft_token_ids and self.num_spec_tokens:
+            self._keep_drafts(runner_output)
         self.num_steps += 1
         return outputs
+
+    def _commit_drafts(
+        self, request: Request, num_tokens: int, sampled: SampledTokens | None, num_drafts: int
+    ) -> EngineCoreOutput | None:
+        """Commit a decode that verified `num_drafts` drafts: only the KV of the accepted
+        ones counts as computed (the rejected slots are rolled back)."""
+        request.num_inflight_tokens -= num_tokens
+        rejected = num_rejected(num_drafts, len(sampled.token_ids) if sampled else 0)
+        if sampled is None or rejected is None:
+            return self._fail(request, "the worker returned a wrong token count for drafts")
+        self.spec_stats.observe(num_drafts, num_drafts - rejected)
+        request.num_computed_tokens += num_tokens - rejected
+        request.num_output_placeholders -= 1
+        new_token_ids, status = self._append_until_stop(request, sampled.token_ids)
+        if status is None and request.num_computed_tokens // self.block_size > (
+            request.num_hashed_blocks
+        ):
+            self.kv.cache_computed_blocks(request)  # its token ids are known now
+        return self._token_output(request, new_token_ids, sampled, status)
+
+    def _keep_drafts(self, runner_output: ModelRunnerOutput) -> None:
+        """Remember the drafts proposed for requests still running, for the next schedule()."""
+        for draft in runner_output.draft_token_ids:
+            request = self.requests.get(draft.request_id)
+            if request is not None and request.status is _RUNNING:
+                request.spec_token_ids = draft.token_ids
 
     def _commit(
         self, request: Request, num_tokens: int, sampled: SampledTokens | None
@@ -369,6 +426,9 @@ class Scheduler:
             num_steps=self.num_steps,
             queue_time_p50=statistics.median(list(self.queue_times) or [0.0]),
             num_finished=self.num_finished,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
         )
 
 

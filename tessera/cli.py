@@ -8,6 +8,7 @@ import secrets
 import sys
 
 from gateway.options import add_limit_args, add_media_args, limit_flags, media_flags
+from services.config import SpeculativeConfig, add_speculative_arg
 from services.default_model import served_name
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
@@ -89,6 +90,7 @@ def _serve_parser(
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="worker ranks the model is split over"
     )
+    add_speculative_arg(p)
     p.set_defaults(func=serve if name == "serve" else engine, engine_only=name == "engine")
 
 
@@ -102,6 +104,8 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     scheduler, then the gateway; `token` reaches them through the environment (not argv,
     which `ps` shows)."""
     py = sys.executable
+    spec = SpeculativeConfig.parse(args.speculative_config)  # ValueError before anything starts
+    spec_flags = ["--speculative-config", spec.to_json()] if spec is not None else []
     replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
     common = ["--log-level", args.log_level]
     env = {TOKEN_ENV: token}
@@ -117,12 +121,13 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
             "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,
+            *spec_flags,
         ]  # fmt: skip
         scheduler = [
             py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,
             "--port", str(replica.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-            *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+            *(["--no-prefix-caching"] if args.no_prefix_caching else []), *spec_flags,
         ]  # fmt: skip
         services += [
             Service(f"worker{replica.suffix}", worker, grpc_up(worker_addr),

@@ -23,10 +23,12 @@ from services.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     WorkerConfig,
     parse_bytes,
 )
 from services.default_model import resolve_model
+from services.step_types import SchedulerStats
 from services.types import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -89,9 +91,13 @@ class LLM:
         num_threads: int = 0,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
+        """`speculative_config`: vLLM's dict, e.g. {"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
+        spec = SpeculativeConfig.parse(speculative_config)
         cache = CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
@@ -105,10 +111,13 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            speculative_config=spec,
         )
         self.worker = Worker(worker_config)  # tensor parallel: starts ranks 1..N-1
         scheduler = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            speculative_config=spec,
         )
         self.engine = EngineCore(scheduler, cache, [self.worker])
         self.tokenizer = Tokenizer.load(model)
@@ -222,6 +231,11 @@ class LLM:
             error=last.error,
         )
         return RequestOutput(request_id, text, prompt_ids, [completion], last.num_cached_tokens)
+
+    def stats(self) -> SchedulerStats:
+        """The engine's counters: steps, preemptions, prefix cache, speculative decoding
+        (spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens)."""
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         """Release the engine and the model."""

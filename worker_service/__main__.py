@@ -7,7 +7,15 @@ import asyncio
 import logging
 import signal
 
-from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, parse_bytes
+from services.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    WorkerConfig,
+    add_speculative_arg,
+    parse_bytes,
+)
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
@@ -46,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--seed", type=int, default=0, help="seed of the generator shared by unseeded requests"
     )
     p.add_argument("--log-level", default="INFO")
+    add_speculative_arg(p)
     add_security_args(p)
     add_parallel_args(p)
     return p.parse_args(argv)
@@ -103,6 +112,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             init_method=args.tp_init_method,
             spawn_ranks=not args.tp_no_spawn,
         ),
+        speculative_config=SpeculativeConfig.parse(args.speculative_config),
     )
 
 

@@ -13,6 +13,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.config import WorkerConfig
@@ -34,8 +35,10 @@ from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
 from worker_service.multimodal import MultiModalInputs
 from worker_service.parallel import TPGroup
+from worker_service.rejection_sampler import rejection_sample
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
+from worker_service.spec_decode import NgramProposer, can_speculate
 from worker_service.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,10 @@ class ModelRunner:
         self.structured = StructuredOutputs(model_dir, arch.vocab_size, arch.eos_token_ids)
         self.mm = MultiModalInputs(self.model, self.input_batch)
         self.num_blocks = 0
+        spec = config.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative method {spec.method!r} is not supported yet")
+        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
         """Apply the GEMM and attention choice for a bf16 model on CPU, and log it."""
@@ -120,23 +127,29 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         errors = self._apply_deltas(so)
+        has_drafts = bool(so.scheduled_spec_decode_tokens) and self._set_drafts(so, errors)
         order, counts = self._schedule_order(so, errors)
         order, counts = self.mm.encode(order, counts, errors)  # vision encoders, if any
         out = ModelRunnerOutput(step_id=so.step_id, request_errors=errors)
         if not order:
             return out
-        step = self.input_batch.prepare(order, counts, self.device)
+        step = self.input_batch.prepare(order, counts, self.device, has_drafts)
         self.tp.send_step(step.input_ids, step.positions, step.meta)  # ranks 1..N-1 run it too
         t1 = time.perf_counter()
         with torch.inference_mode(), forward_context(step.meta):
             embeds = self.mm.input_embeds(step)  # None without images in this step
             hidden = self.model(step.input_ids, step.positions, embeds)  # [num_tokens, hidden]
             t2 = time.perf_counter()
-            self._sample_into(out, step, hidden)
+            rejected = self._sample_into(out, step, hidden)
             out.prompt_logprobs = self._prompt_logprobs(step, hidden)
         for state, n in zip(step.states, counts, strict=True):
             state.num_computed += n
+        for state, num_rejected in rejected:  # rejected drafts: their KV is not computed
+            state.num_computed -= num_rejected
+            state.num_drafts = 0
         self.mm.advance(step.states)
+        if self.proposer is not None:
+            self._propose(out, step)
         t3 = time.perf_counter()
         out.timings = WorkerTimings(*(1000 * d for d in (t1 - t0, t2 - t1, t3 - t2, t3 - t0)))
         return out
@@ -162,6 +175,31 @@ class ModelRunner:
                 errors[cached.request_id] = str(exc)
         return errors
 
+    def _set_drafts(self, so: SchedulerOutput, errors: dict[str, str]) -> bool:
+        """Write the step's drafts after their requests' tokens; True when any were set."""
+        any_set = False
+        for draft in so.scheduled_spec_decode_tokens:
+            state = self.input_batch.requests.get(draft.request_id)
+            if state is None or draft.request_id in errors or not draft.token_ids:
+                continue
+            try:
+                if not can_speculate(state.params, state.num_outputs):
+                    raise ValueError(f"request {state.req_id!r} cannot verify drafts")
+                self.input_batch.set_drafts(state, draft.token_ids)
+                any_set = True
+            except ValueError as exc:
+                errors[draft.request_id] = str(exc)
+                self.input_batch.remove(draft.request_id)
+        return any_set
+
+    def _propose(self, out: ModelRunnerOutput, step: StepBatch) -> None:
+        """Drafts for the requests that sampled this step (speculative decoding)."""
+        assert self.proposer is not None
+        errors = out.request_errors
+        states = [step.states[i] for i in step.sample_reqs]
+        states = [s for s in states if s.req_id not in errors] if errors else states
+        out.draft_token_ids = self.proposer.propose(states, self.input_batch)
+
     def _schedule_order(
         self, so: SchedulerOutput, errors: dict[str, str]
     ) -> tuple[list[RequestState], list[int]]:
@@ -183,14 +221,68 @@ class ModelRunner:
         items.sort(key=lambda item: item[1] != 1)
         return [s for s, _ in items], [n for _, n in items]
 
-    def _sample_into(self, out: ModelRunnerOutput, step: StepBatch, hidden: torch.Tensor) -> None:
-        """Sample the rows that reached the end of their token list; fill out.req_ids/sampled."""
+    def _sample_into(
+        self, out: ModelRunnerOutput, step: StepBatch, hidden: torch.Tensor
+    ) -> list[tuple[RequestState, int]]:
+        """Sample the rows that reached the end of their token list; fill out.req_ids/sampled.
+        Returns the requests that verified drafts, with how many they rejected."""
         out.req_ids = step.req_ids
         out.sampled = [SampledTokens() for _ in step.req_ids]
         if not step.sample_reqs or step.logits_indices is None:
-            return
+            return []
         states = [step.states[i] for i in step.sample_reqs]
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+        if step.num_logits is not None:
+            return self._verify_into(out, step, states, logits)
+        for i, sampled in zip(step.sample_reqs, self._sample(states, logits, out), strict=True):
+            out.sampled[i] = sampled
+        return []
+
+    def _verify_into(
+        self,
+        out: ModelRunnerOutput,
+        step: StepBatch,
+        states: list[RequestState],
+        logits: torch.Tensor,  # [sum(num_logits), V]
+    ) -> list[tuple[RequestState, int]]:
+        """A step with drafts: plain rows sample as usual, draft rows go through the
+        rejection sampler; accepted tokens are appended to the token table."""
+        assert step.num_logits is not None
+        ends = np.cumsum(step.num_logits)
+        plain = [j for j, s in enumerate(states) if s.num_drafts == 0]
+        if plain:
+            rows = torch.from_numpy(ends[plain] - 1).to(self.device)
+            sampled = self._sample([states[j] for j in plain], logits.index_select(0, rows), out)
+            for j, one in zip(plain, sampled, strict=True):
+                out.sampled[step.sample_reqs[j]] = one
+        spec = [j for j, s in enumerate(states) if s.num_drafts > 0]
+        if not spec:
+            return []
+        rows = torch.from_numpy(
+            np.concatenate([np.arange(ends[j] - step.num_logits[j], ends[j]) for j in spec])
+        ).to(self.device)
+        accepted = self._verify([states[j] for j in spec], logits.index_select(0, rows))
+        rejected = []
+        for j, tokens in zip(spec, accepted, strict=True):
+            state = states[j]
+            out.sampled[step.sample_reqs[j]] = SampledTokens(tokens)
+            self.input_batch.extend_tokens(state, tokens)
+            rejected.append((state, state.num_drafts + 1 - len(tokens)))
+        return rejected
+
+    def _verify(self, states: list[RequestState], logits: torch.Tensor) -> list[list[int]]:
+        """logits [sum(K_i + 1), V] of requests with K_i drafts -> accepted drafts + one."""
+        table = self.input_batch.token_ids
+        drafts = [table[s.row, s.num_tokens : s.num_tokens + s.num_drafts].tolist() for s in states]
+        rows = [s for s in states for _ in range(s.num_drafts + 1)]
+        eos = self.model.config.eos_token_ids
+        batch = build_sampling_batch(rows, self.input_batch, eos, self.device)
+        return rejection_sample(logits, batch, drafts, self.sampler.generator)
+
+    def _sample(
+        self, states: list[RequestState], logits: torch.Tensor, out: ModelRunnerOutput
+    ) -> list[SampledTokens]:
+        """One token per row of logits [len(states), V]; appended to the token table."""
         eos = self.model.config.eos_token_ids
         batch = build_sampling_batch(states, self.input_batch, eos, self.device)
         grammar = self.structured.bitmask(states)
@@ -202,9 +294,11 @@ class ModelRunner:
         if grammar is not None:
             out.request_errors.update(self.structured.accept(states, tokens))
         logprobs = to_token_logprobs(result, [s.params.logprobs for s in states])
-        for i, token, lp in zip(step.sample_reqs, tokens, logprobs, strict=True):
-            out.sampled[i] = SampledTokens([token], [lp] if lp is not None else [])
         self.input_batch.append_tokens(states, tokens)
+        return [
+            SampledTokens([token], [lp] if lp is not None else [])
+            for token, lp in zip(tokens, logprobs, strict=True)
+        ]
 
     def _prompt_logprobs(self, step: StepBatch, hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Logprobs of the prompt tokens this step's chunk predicts, for requests that asked."""
