@@ -198,6 +198,7 @@ BENCHMARKS = {
     "scheduler": "scheduler_bench",
     "dp": "dp_bench",
     "multimodal": "multimodal_bench",
+    "spec": "spec_decode",
 }
 
 

@@ -207,6 +207,7 @@ class InputBatch:
         drafts gets a logit row per draft and one after the last."""
         ends = [int(s.num_computed + sched[i]) for i, s in enumerate(order)]
         sample = [i for i, s in enumerate(order) if ends[i] == s.num_tokens + s.num_drafts]
+        meta.verify_reqs = [i for i, s in enumerate(order) if s.num_drafts]
         num_logits = [1 + order[i].num_drafts for i in sample]
         rows = [
             r

@@ -4,6 +4,7 @@ output with ngram drafts is the output without them (issue 23, acceptance 1)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ def spec() -> Iterator[LLM]:
     llm.shutdown()
 
 
-def _tokens(outputs: list) -> list[list[int]]:  # type: ignore[type-arg]
+def _tokens(outputs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
