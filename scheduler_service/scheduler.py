@@ -31,7 +31,7 @@ from scheduler_service.encoder_budget import fit_encoder_budget
 from scheduler_service.kv_cache_manager import KVCacheManager
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_queue import make_queue
-from scheduler_service.spec_decode import SpecDecodeStats, fit_drafts, num_rejected
+from scheduler_service.spec_decode import SpecDecodeStats, SpeculativeScheduling
 from scheduler_service.step_plan import StepPlan
 from scheduler_service.stop import check_stop
 from services.config import SchedulerConfig
@@ -43,7 +43,7 @@ _RUNNING = RequestStatus.RUNNING  # module constants: enum attribute lookups cos
 _UNSPECIFIED = FinishReason.UNSPECIFIED
 
 
-class Scheduler:
+class Scheduler(SpeculativeScheduling):
     """Owns every unfinished request, the waiting queue, the running set and the KV blocks."""
 
     def __init__(
@@ -74,6 +74,8 @@ class Scheduler:
         self.queue_times: deque[float] = deque(maxlen=_RECENT)
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # a draft model writes KV for its K proposals past the request's tokens
+        self.num_lookahead = self.num_spec_tokens if spec and spec.method == "draft_model" else 0
         self.spec_stats = SpecDecodeStats()
 
     # ---- admission and abort -------------------------------------------------
@@ -139,25 +141,11 @@ class Scheduler:
                 continue
             if num_new == 1 and request.spec_token_ids and self._schedule_drafts(request, plan):
                 continue
-            new_block_ids = self.kv.allocate_slots(request, num_new)
+            new_block_ids = self._allocate(request, num_new)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_fits(request, num_new, plan)
             if new_block_ids is not None:
                 plan.add_cached(request, num_new, new_block_ids)
-
-    def _schedule_drafts(self, request: Request, plan: StepPlan) -> bool:
-        """Schedule a decode with its pending drafts if their slots fit without preempting
-        anyone; False (drafts dropped) leaves the plain decode to the caller."""
-        drafts = fit_drafts(request, plan.budget - 1, self.max_model_len, self.num_spec_tokens)
-        request.spec_token_ids = []
-        if not drafts:
-            return False
-        new_block_ids = self.kv.allocate_slots(request, 1 + len(drafts))
-        if new_block_ids is None:
-            return False
-        plan.add_cached(request, 1 + len(drafts), new_block_ids)
-        plan.spec[request.request_id] = drafts
-        return True
 
     def _preempt_until_fits(
         self, request: Request, num_new: int, plan: StepPlan
@@ -168,7 +156,7 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is request:
                 return None
-            new_block_ids = self.kv.allocate_slots(request, num_new)
+            new_block_ids = self._allocate(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
 
@@ -198,7 +186,7 @@ class Scheduler:
         num_new = self._chunk_size(request.num_tokens - num_hit_tokens, plan)
         if request.mm_inputs:
             num_new = self._fit_encoder(request, num_hit_tokens, num_new, plan)
-        if num_new == 0 or self.kv.allocate_slots(request, num_new, hits) is None:
+        if num_new == 0 or self._allocate(request, num_new, hits) is None:
             return False
         self.waiting.pop()
         resumed = request.status == RequestStatus.PREEMPTED
@@ -271,32 +259,6 @@ class Scheduler:
             self._keep_drafts(runner_output)
         self.num_steps += 1
         return outputs
-
-    def _commit_drafts(
-        self, request: Request, num_tokens: int, sampled: SampledTokens | None, num_drafts: int
-    ) -> EngineCoreOutput | None:
-        """Commit a decode that verified `num_drafts` drafts: only the KV of the accepted
-        ones counts as computed (the rejected slots are rolled back)."""
-        request.num_inflight_tokens -= num_tokens
-        rejected = num_rejected(num_drafts, len(sampled.token_ids) if sampled else 0)
-        if sampled is None or rejected is None:
-            return self._fail(request, "the worker returned a wrong token count for drafts")
-        self.spec_stats.observe(num_drafts, num_drafts - rejected)
-        request.num_computed_tokens += num_tokens - rejected
-        request.num_output_placeholders -= 1
-        new_token_ids, status = self._append_until_stop(request, sampled.token_ids)
-        if status is None and request.num_computed_tokens // self.block_size > (
-            request.num_hashed_blocks
-        ):
-            self.kv.cache_computed_blocks(request)  # its token ids are known now
-        return self._token_output(request, new_token_ids, sampled, status)
-
-    def _keep_drafts(self, runner_output: ModelRunnerOutput) -> None:
-        """Remember the drafts proposed for requests still running, for the next schedule()."""
-        for draft in runner_output.draft_token_ids:
-            request = self.requests.get(draft.request_id)
-            if request is not None and request.status is _RUNNING:
-                request.spec_token_ids = draft.token_ids
 
     def _commit(
         self, request: Request, num_tokens: int, sampled: SampledTokens | None

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.config import WorkerConfig
+from services.config import SpeculativeConfig, WorkerConfig
 from services.step_types import (
+    KVCacheSpec,
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobs,
@@ -29,6 +30,7 @@ from services.types import TokenLogprobs
 from worker_service import kv_cache
 from worker_service.attention import get_attention_backend
 from worker_service.cpu_kernels import KernelChoice, choose_kernels, read_cpu_info
+from worker_service.draft_model import DraftModelProposer
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.loader import load_model
 from worker_service.models import cpu_ops
@@ -74,10 +76,29 @@ class ModelRunner:
         self.structured = StructuredOutputs(model_dir, arch.vocab_size, arch.eos_token_ids)
         self.mm = MultiModalInputs(self.model, self.input_batch)
         self.num_blocks = 0
-        spec = config.speculative_config
-        if spec is not None and spec.method != "ngram":
-            raise ValueError(f"speculative method {spec.method!r} is not supported yet")
-        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.proposer, self.draft = self._proposer(config.speculative_config)
+
+    def _proposer(
+        self, spec: SpeculativeConfig | None
+    ) -> tuple[NgramProposer | DraftModelProposer | None, DraftModelProposer | None]:
+        """Speculative decoding: the proposer, and it again when it is a draft model."""
+        if spec is None:
+            return None, None
+        if spec.method == "ngram":
+            return NgramProposer(spec, self.max_model_len), None
+        if self.tp.size > 1:
+            raise ValueError("a draft model with tensor parallelism is not supported")
+        arch = self.model.config
+        draft = DraftModelProposer(
+            spec, arch.vocab_size, self.dtype, self.device, self.backend, self.block_size,
+            self.max_model_len,
+        )  # fmt: skip
+        return draft, draft
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """What one block costs on this worker: the target's pool, and the draft's."""
+        return self.spec if self.draft is None else self.draft.combined(self.spec)
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
         """Apply the GEMM and attention choice for a bf16 model on CPU, and log it."""
@@ -95,8 +116,17 @@ class ModelRunner:
     # ----------------------------------------------------------------- cache
     def initialize_cache(self, num_blocks: int) -> int:
         allocated = kv_cache.allocate(self.model, self.spec, num_blocks, self.dtype, self.device)
+        if self.draft is not None:
+            allocated += self.draft.allocate(num_blocks)
         self.num_blocks = num_blocks
         return allocated
+
+    def release_cache(self) -> None:
+        """Drop the KV pools (target and draft)."""
+        kv_cache.release(self.model)
+        if self.draft is not None:
+            self.draft.release()
+        self.num_blocks = 0
 
     def profile_gpu_memory(self, utilization: float) -> int:
         """GPU: run a forward at the largest batch on a throwaway pool; what remains under
@@ -106,7 +136,7 @@ class ModelRunner:
         kv_cache.allocate(self.model, self.spec, blocks, self.dtype, self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        pool = blocks * self.spec.bytes_per_block
+        pool = blocks * self.kv_spec.bytes_per_block
         self._dummy_forward(tokens, blocks)
         peak = torch.cuda.max_memory_allocated(self.device) - pool
         kv_cache.release(self.model)
@@ -140,6 +170,8 @@ class ModelRunner:
             embeds = self.mm.input_embeds(step)  # None without images in this step
             hidden = self.model(step.input_ids, step.positions, embeds)  # [num_tokens, hidden]
             t2 = time.perf_counter()
+            if self.draft is not None:
+                self.draft.observe(step)  # the draft's KV follows the step's tokens
             rejected = self._sample_into(out, step, hidden)
             out.prompt_logprobs = self._prompt_logprobs(step, hidden)
         for state, n in zip(step.states, counts, strict=True):
@@ -198,7 +230,8 @@ class ModelRunner:
         errors = out.request_errors
         states = [step.states[i] for i in step.sample_reqs]
         states = [s for s in states if s.req_id not in errors] if errors else states
-        out.draft_token_ids = self.proposer.propose(states, self.input_batch)
+        with torch.inference_mode():
+            out.draft_token_ids = self.proposer.propose(states, self.input_batch)
 
     def _schedule_order(
         self, so: SchedulerOutput, errors: dict[str, str]

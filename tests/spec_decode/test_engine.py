@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.config import SpeculativeConfig
 from services.types import SamplingParams
 from tests.hf_reference import hf_logits
 from tests.spec_decode.chi2 import chisquare_pvalue
@@ -162,3 +163,36 @@ def test_temperature_one_matches_the_target_distribution(tmp_path: Path) -> None
     thirds = [s[2] for s in samples if s[0] == t1 and s[1] == t2]
     p2 = _next_token_probs(model_dir, [*prompt, t1, t2])
     assert chisquare_pvalue(np.bincount(thirds, minlength=VOCAB), p2 * len(thirds)) > 1e-3
+
+
+def test_draft_model_greedy_identical_with_itself_as_draft(
+    tiny_dir: Path, reference: TinyEngine
+) -> None:
+    """`"method": "draft_model"` with the target as its own draft: every draft is what the
+    target would pick (greedy), so nearly all are accepted; the output is plain greedy."""
+    spec = SpeculativeConfig(method="draft_model", model=str(tiny_dir), num_speculative_tokens=3)
+    engine = TinyEngine(tiny_dir, spec, num_blocks=128)
+    try:
+        got = engine.generate(PROMPTS, GREEDY)
+        stats = engine.engine.stats()
+    finally:
+        engine.close()
+    assert got == reference.generate(PROMPTS, GREEDY)
+    assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens > 0
+    assert stats.num_blocks_used == 0
+
+
+def test_draft_model_with_preemption_and_random_sampling(tiny_dir: Path) -> None:
+    """A pool too small for all requests (preemption, lookahead slots) and temperature 1:
+    every request finishes, nothing leaks."""
+    spec = SpeculativeConfig(method="draft_model", model=str(tiny_dir), num_speculative_tokens=3)
+    engine = TinyEngine(tiny_dir, spec, num_blocks=48)
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+        got = engine.generate(PROMPTS, params)
+        stats = engine.engine.stats()
+    finally:
+        engine.close()
+    assert [len(t) for t in got] == [40] * 8
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert engine.engine.scheduler.kv.pool.num_used_blocks == 0
