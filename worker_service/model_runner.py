@@ -178,7 +178,9 @@ class ModelRunner:
             state.num_computed += n
         for state, num_rejected in rejected:  # rejected drafts: their KV is not computed
             state.num_computed -= num_rejected
-            state.num_drafts = 0
+        if has_drafts:
+            for state in step.states:
+                state.num_drafts = 0  # drafts live for one step
         self.mm.advance(step.states)
         if self.proposer is not None:
             self._propose(out, step)

@@ -4,6 +4,7 @@ output with ngram drafts is the output without them (issue 23, acceptance 1)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,6 +52,22 @@ def test_greedy_8_prompts_64_tokens_identical(plain: LLM, spec: LLM) -> None:
     stats = spec.stats()
     assert stats.spec_decode_num_accepted_tokens > 8 * 16  # most of a copied answer is drafted
     assert stats.num_blocks_used == 0
+
+
+def test_draft_model_greedy_identical_with_the_default_model_as_its_own_draft(
+    plain: LLM, default_model_dir: Path
+) -> None:
+    draft = {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
+    llm = LLM(dtype="float32", kv_cache_memory="512MiB", max_num_seqs=8, speculative_config=draft)
+    try:
+        chats = repetitive_chats()
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        got = _tokens(llm.chat(chats, params))
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert got == _tokens(plain.chat(chats, params))
+    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens > 0
 
 
 def test_stop_ids_and_structured_output_with_speculation_on(plain: LLM, spec: LLM) -> None:
