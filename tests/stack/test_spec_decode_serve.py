@@ -27,20 +27,26 @@ NGRAM = {
 }
 
 
+DRAFT = {"method": "draft_model", "model": "default", "num_speculative_tokens": 3}
+
+
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    stack = start_stack("--dtype", "float32", "--speculative-config", json.dumps(NGRAM))
-    yield stack
-    assert stack.stop() == 0, stack.output()[-3000:]
-
-
-def _expected(chats: list[Any]) -> list[str]:
+def expected() -> list[str]:
+    """The offline engine's greedy answers without speculation."""
     llm = LLM(dtype="float32", kv_cache_memory="512MiB", max_num_seqs=8)
     try:
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-        return [o.outputs[0].text for o in llm.chat(chats, params)]
+        return [o.outputs[0].text for o in llm.chat(repetitive_chats(), params)]
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module", params=[NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def stack(request: pytest.FixtureRequest, expected: list[str]) -> Iterator[Stack]:
+    del expected  # computed first, before the stack takes the CPU
+    stack = start_stack("--dtype", "float32", "--speculative-config", json.dumps(request.param))
+    yield stack
+    assert stack.stop() == 0, stack.output()[-3000:]
 
 
 def _metric(text: str, name: str) -> float:
