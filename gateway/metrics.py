@@ -29,6 +29,18 @@ _SCHEDULER_GAUGES = {
     "num_preemptions": ("tessera_scheduler_preemptions", "Preemptions since start"),
     "num_steps": ("tessera_scheduler_steps", "Engine steps since start"),
     "num_finished": ("tessera_scheduler_requests_finished", "Requests finished since start"),
+    "spec_decode_num_drafts": (
+        "tessera_scheduler_spec_decode_num_drafts",
+        "Request steps that verified draft tokens",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "tessera_scheduler_spec_decode_num_draft_tokens",
+        "Draft tokens verified since start",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "tessera_scheduler_spec_decode_num_accepted_tokens",
+        "Draft tokens accepted since start",
+    ),
 }
 
 

@@ -306,6 +306,9 @@ def aggregate_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         queue_time_p50=max(s.queue_time_p50 for s in stats),
         num_finished=sum(s.num_finished for s in stats),
         healthy=any(s.healthy for s in stats),
+        spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in stats),
+        spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
+        spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from scheduler_service.engine import EngineCore
 from scheduler_service.service import EngineCoreServer
 from scheduler_service.worker_client import GrpcWorkerClient
-from services.config import CacheConfig, SchedulerConfig
+from services.config import CacheConfig, SchedulerConfig, SpeculativeConfig, add_speculative_arg
 from services.grpc_utils import health_status, set_internal_security
 from services.log import setup_logging
 from services.security import add_security_args, security_from_args
@@ -86,6 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a worker silent this long during a step counts as lost",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")  # fmt: skip
+    add_speculative_arg(p)
     add_security_args(p)
     return p.parse_args(argv)
 
@@ -100,6 +101,7 @@ def configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:
         policy=args.policy,
         async_scheduling=not args.no_async_scheduling,
         max_num_encoder_tokens=args.max_num_encoder_tokens,
+        speculative_config=SpeculativeConfig.parse(args.speculative_config),
     )
     cache_config = CacheConfig(
         enable_prefix_caching=not args.no_prefix_caching, num_blocks_override=args.num_blocks

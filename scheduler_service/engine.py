@@ -211,7 +211,7 @@ class EngineCore:
         A worker that cannot be reached fails every request, marks the engine
         unhealthy and raises WorkerLostError carrying those ERROR updates.
         """
-        if self.scheduler_config.async_scheduling:
+        if self.scheduler_config.use_async_scheduling:
             return self._step_async(on_scheduled)
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()

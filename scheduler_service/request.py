@@ -77,6 +77,7 @@ class Request:
         "priority",
         "request_id",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "timestamps",
@@ -125,6 +126,7 @@ class Request:
         self.error = ""
         self.timestamps = RequestTimestamps(queued=time.time())
         self.pending_prompt_logprobs: list[TokenLogprobs] = []
+        self.spec_token_ids: list[int] = []  # drafts to verify next step (speculative decoding)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

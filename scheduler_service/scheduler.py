@@ -31,6 +31,7 @@ from scheduler_service.encoder_budget import fit_encoder_budget
 from scheduler_service.kv_cache_manager import KVCacheManager
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_queue import make_queue
+from scheduler_service.spec_decode import SpecDecodeStats, SpeculativeScheduling
 from scheduler_service.step_plan import StepPlan
 from scheduler_service.stop import check_stop
 from services.config import SchedulerConfig
@@ -42,7 +43,7 @@ _RUNNING = RequestStatus.RUNNING  # module constants: enum attribute lookups cos
 _UNSPECIFIED = FinishReason.UNSPECIFIED
 
 
-class Scheduler:
+class Scheduler(SpeculativeScheduling):
     """Owns every unfinished request, the waiting queue, the running set and the KV blocks."""
 
     def __init__(
@@ -74,6 +75,11 @@ class Scheduler:
         self.num_finished = 0
         self.num_steps = 0
         self.queue_times: deque[float] = deque(maxlen=_RECENT)
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # a draft model writes KV for its K proposals past the request's tokens
+        self.num_lookahead = self.num_spec_tokens if spec and spec.method == "draft_model" else 0
+        self.spec_stats = SpecDecodeStats()
 
     # ---- admission and abort -------------------------------------------------
 
@@ -136,7 +142,9 @@ class Scheduler:
                 num_new = self._fit_encoder(request, start, num_new, plan)
             if num_new == 0:
                 continue
-            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if num_new == 1 and request.spec_token_ids and self._schedule_drafts(request, plan):
+                continue
+            new_block_ids = self._allocate(request, num_new)
             if new_block_ids is None:
                 new_block_ids = self._preempt_until_fits(request, num_new, plan)
             if new_block_ids is not None:
@@ -151,7 +159,7 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is request:
                 return None
-            new_block_ids = self.kv.allocate_slots(request, num_new)
+            new_block_ids = self._allocate(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
 
@@ -164,6 +172,7 @@ class Scheduler:
         request.num_inflight_tokens = request.num_output_placeholders = 0  # its result is dropped
         if not request.num_output_tokens:  # mid-prefill: the prompt logprobs are computed afresh
             request.pending_prompt_logprobs = []
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.waiting.prepend(request)
         self.num_preemptions += 1
@@ -185,7 +194,7 @@ class Scheduler:
         num_new = self._chunk_size(request.num_tokens - num_hit_tokens, plan)
         if request.mm_inputs:
             num_new = self._fit_encoder(request, num_hit_tokens, num_new, plan)
-        if num_new == 0 or self.kv.allocate_slots(request, num_new, hits) is None:
+        if num_new == 0 or self._allocate(request, num_new, hits) is None:
             return False
         self.waiting.pop()
         resumed = request.status == RequestStatus.PREEMPTED
@@ -233,6 +242,9 @@ class Scheduler:
         errors = runner_output.request_errors
         outputs = []
         get_request, get_sampled = self.requests.get, sampled.get
+        drafts = {
+            d.request_id: len(d.token_ids) for d in scheduler_output.scheduled_spec_decode_tokens
+        }
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
@@ -244,9 +256,16 @@ class Scheduler:
                 continue
             if prompt_lps and request_id in prompt_lps:
                 request.pending_prompt_logprobs.extend(prompt_lps[request_id])
-            output = self._commit(request, num_tokens, get_sampled(request_id))
+            if drafts and request_id in drafts:
+                output = self._commit_drafts(
+                    request, num_tokens, get_sampled(request_id), drafts[request_id]
+                )
+            else:
+                output = self._commit(request, num_tokens, get_sampled(request_id))
             if output is not None:
                 outputs.append(output)
+        if runner_output.draft_token_ids and self.num_spec_tokens:
+            self._keep_drafts(runner_output)
         self.num_steps += 1
         return outputs
 
@@ -391,6 +410,9 @@ class Scheduler:
             num_steps=self.num_steps,
             queue_time_p50=statistics.median(list(self.queue_times) or [0.0]),
             num_finished=self.num_finished,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
         )
 
 

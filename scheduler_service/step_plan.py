@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_service.request import Request
-from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
+from services.step_types import CachedRequestData, DraftTokens, NewRequestData, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -19,6 +19,7 @@ class StepPlan:
     resumed: set[str] = field(default_factory=set)  # of `new`, back from preemption
     cached: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, new blocks)
     preempted: list[Request] = field(default_factory=list)
+    spec: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled, by request id
 
     def add_new(self, request: Request, num_tokens: int, resumed: bool) -> None:
         self.new.append(request)
@@ -41,6 +42,7 @@ class StepPlan:
         if num_tokens is None:
             return
         self.budget += num_tokens
+        self.spec.pop(request.request_id, None)
         self.cached = [(r, ids) for r, ids in self.cached if r is not request]
         self.new = [r for r in self.new if r is not request]
 
@@ -59,6 +61,7 @@ class StepPlan:
             total_num_scheduled_tokens=sum(self.num_scheduled.values()),
             finished_req_ids=finished_ids,
             preempted_req_ids=preempted_ids,
+            scheduled_spec_decode_tokens=[DraftTokens(r, d) for r, d in self.spec.items()],
         )
 
     def _new_data(self, request: Request) -> NewRequestData:

@@ -6,9 +6,11 @@ line and passes them down whole. Nothing here reads the environment.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from services.types import MAX_LOGPROBS, MAX_N
@@ -158,6 +160,85 @@ class CacheConfig:
         _require(self.num_blocks_override >= 0, "num_blocks_override must be >= 0")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_LOOKUP_DEFAULT = 5  # vLLM's n-gram size when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config`): the worker proposes up to
+    `num_speculative_tokens` draft tokens per request after sampling; the next step verifies
+    them in one forward and keeps the longest prefix the rejection sampler accepts."""
+
+    # "ngram": prompt lookup over the request's own tokens (no extra model);
+    # "draft_model": a small model with the same tokenizer proposes.
+    method: Literal["ngram", "draft_model"] = "ngram"
+    # K, the most draft tokens verified per request and step.
+    num_speculative_tokens: int = 4
+    # ngram: shortest and longest suffix looked up earlier in the request's tokens; 0 = unset:
+    # as vLLM, one given stands for both, neither means 5.
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+    # draft_model: the draft model's HF directory.
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        object.__setattr__(self, "prompt_lookup_min", low or high or _LOOKUP_DEFAULT)
+        object.__setattr__(self, "prompt_lookup_max", high or low or _LOOKUP_DEFAULT)
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative method must be one of {SPECULATIVE_METHODS}, not {self.method!r}",
+        )
+        _require(
+            1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in [1, 32]"
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "need 1 <= prompt_lookup_min <= prompt_lookup_max",
+        )
+        _require(
+            (self.method == "draft_model") == bool(self.model),
+            'a "model" is given with method "draft_model" and only then',
+        )
+
+    @classmethod
+    def parse(
+        cls, value: str | dict[str, object] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """From the JSON of `--speculative-config` or an `LLM(speculative_config=...)` dict;
+        None / "" stay None (speculation off). ValueError on unknown keys or bad values."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, f"unknown speculative config keys: {unknown}")
+        return cls(**value)  # type: ignore[arg-type]
+
+    def to_json(self) -> str:
+        """The flag value that parses back to this config."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    """vLLM's --speculative-config (services.config.SpeculativeConfig), a JSON object."""
+    p.add_argument(
+        "--speculative-config",
+        default="",
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+        '4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: off)',
+    )
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits and policy."""
@@ -178,10 +259,18 @@ class SchedulerConfig:
     # Multimodal placeholder tokens (image embeddings) the workers may encode in one step;
     # 0 means max_num_batched_tokens. Bounds the vision-encoder time of a step.
     max_num_encoder_tokens: int = 0
+    # Speculative decoding: the scheduler schedules the drafts the workers propose. On, steps
+    # run synchronously (a step's drafts depend on the output of the step before).
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def encoder_budget(self) -> int:
         return self.max_num_encoder_tokens or self.max_num_batched_tokens
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """Async scheduling as asked, unless speculation needs each step's output first."""
+        return self.async_scheduling and self.speculative_config is None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
@@ -229,6 +318,8 @@ class WorkerConfig:
     max_num_seqs: int = 256
     # Tensor parallelism (rank 0 is the worker the scheduler talks to).
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Speculative decoding: how drafts are proposed after sampling; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(

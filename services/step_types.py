@@ -35,6 +35,14 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class DraftTokens:
+    """Draft tokens of one request (speculative decoding)."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One engine step as decided by the scheduler."""
 
@@ -45,6 +53,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    scheduled_spec_decode_tokens: list[DraftTokens] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +103,7 @@ class ModelRunnerOutput:
     request_errors: dict[str, str] = field(default_factory=dict)
     error: str = ""  # the whole step failed (stream form only)
     pooler_output: list[PooledOutput] = field(default_factory=list)
+    draft_token_ids: list[DraftTokens] = field(default_factory=list)  # proposed for next step
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,3 +172,6 @@ class SchedulerStats:
     queue_time_p50: float = 0.0
     num_finished: int = 0
     healthy: bool = True
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0

@@ -15,6 +15,7 @@ from gateway.options import (
     limit_flags,
     media_flags,
 )
+from services.config import SpeculativeConfig, add_speculative_arg
 from services.default_model import served_name
 from services.hub import add_hub_args, hub_from_args, is_hub_id, resolve_hub_model
 from services.pooling import add_runner_args, runner_from_args
@@ -106,6 +107,7 @@ def _serve_parser(
         action="store_true",
         help="MoE: split the experts over the ranks by expert id (default: by intermediate size)",
     )
+    add_speculative_arg(p)
     p.set_defaults(func=serve if name == "serve" else engine, engine_only=name == "engine")
 
 
@@ -119,6 +121,8 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     scheduler, then the gateway; `token` reaches them through the environment (not argv,
     which `ps` shows)."""
     py = sys.executable
+    spec = SpeculativeConfig.parse(args.speculative_config)  # ValueError before anything starts
+    spec_flags = ["--speculative-config", spec.to_json()] if spec is not None else []
     replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
     common = ["--log-level", args.log_level]
     model, name = _model_source(args)
@@ -137,12 +141,13 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,
             "--runner", runner_from_args(args),
             *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
+            *spec_flags,
         ]  # fmt: skip
         scheduler = [
             py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,
             "--port", str(replica.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-            *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+            *(["--no-prefix-caching"] if args.no_prefix_caching else []), *spec_flags,
         ]  # fmt: skip
         services += [
             Service(f"worker{replica.suffix}", worker, grpc_up(worker_addr),
@@ -223,6 +228,7 @@ BENCHMARKS = {
     "scheduler": "scheduler_bench",
     "dp": "dp_bench",
     "multimodal": "multimodal_bench",
+    "spec": "spec_decode",
 }
 
 

@@ -25,12 +25,14 @@ from services.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     WorkerConfig,
     parse_bytes,
     resolve_runner,
 )
 from services.default_model import resolve_model, served_name
 from services.pooling import check_pooling_params, read_pooler_config
+from services.step_types import SchedulerStats
 from services.types import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -106,8 +108,11 @@ class LLM:
         download_dir: str | None = None,
         runner: str | None = None,
         task: str | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
-        """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`."""
+        """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`;
+        `speculative_config`: vLLM's dict, e.g. {"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
         source = model
@@ -115,6 +120,7 @@ class LLM:
         if model != DEFAULT_MODEL:
             model = str(model_dir)  # a Hub id is looked up (or downloaded) once
         self.runner = resolve_runner(runner, task)
+        spec = SpeculativeConfig.parse(speculative_config)
 
         cache = CacheConfig(
             block_size=block_size,
@@ -138,10 +144,13 @@ class LLM:
                 tensor_parallel_size=tensor_parallel_size,
                 enable_expert_parallel=enable_expert_parallel,
             ),
+            speculative_config=spec,
         )
         self.worker = Worker(worker_config)  # tensor parallel: starts ranks 1..N-1
         scheduler = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            speculative_config=spec,
         )
         self.engine = EngineCore(scheduler, cache, [self.worker])
         self.tokenizer = Tokenizer.load(model_dir)
@@ -324,6 +333,11 @@ class LLM:
         if params.prompt_logprobs is not None:
             result.prompt_logprobs = prompt_logprobs(got.prompt_logprobs, decode)
         return result
+
+    def stats(self) -> SchedulerStats:
+        """The engine's counters: steps, preemptions, prefix cache, speculative decoding
+        (spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens)."""
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         """Release the engine and the model."""

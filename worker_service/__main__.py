@@ -7,7 +7,15 @@ import asyncio
 import logging
 import signal
 
-from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, parse_bytes
+from services.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    WorkerConfig,
+    add_speculative_arg,
+    parse_bytes,
+)
 from services.grpc_utils import set_internal_security
 from services.hub import add_hub_args, hub_from_args
 from services.log import setup_logging
@@ -50,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--seed", type=int, default=0, help="seed of the generator shared by unseeded requests"
     )
     p.add_argument("--log-level", default="INFO")
+    add_speculative_arg(p)
     add_security_args(p)
     add_parallel_args(p)
     return p.parse_args(argv)
@@ -115,6 +124,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             spawn_ranks=not args.tp_no_spawn,
             enable_expert_parallel=args.enable_expert_parallel,
         ),
+        speculative_config=SpeculativeConfig.parse(args.speculative_config),
     )
 
 

@@ -33,6 +33,7 @@ class RequestState:
     matcher: Any = None  # llguidance.LLMatcher of a structured-output request (see structured.py)
     pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
     pooled: Any = None  # its running pool over the chunks so far (worker_service.pooler)
+    num_drafts: int = 0  # draft tokens written after num_tokens for this step (spec decoding)
 
     @property
     def num_outputs(self) -> int:
@@ -51,6 +52,9 @@ class StepBatch:
     meta: AttentionMetadata
     sample_reqs: list[int] = field(default_factory=list)  # indices into req_ids that sample
     logits_indices: torch.Tensor | None = None  # [num_sample] rows of the hidden states
+    # With drafts: logit rows per sampling request (1 + its drafts), logits_indices then
+    # holding sum(num_logits) rows; None when the step has no drafts (one row each).
+    num_logits: list[int] | None = None
 
 
 class InputBatch:
@@ -112,6 +116,22 @@ class InputBatch:
             if state.pooling is not None:
                 self.num_pooling -= 1
 
+    def set_drafts(self, state: RequestState, drafts: list[int]) -> None:
+        """Write a step's draft tokens after the request's tokens (not counted in them)."""
+        end = state.num_tokens + len(drafts)
+        if end > self.max_model_len:
+            raise ValueError(f"request {state.req_id!r}: drafts run past max_model_len")
+        if drafts and (min(drafts) < 0 or max(drafts) >= self.vocab_size):
+            raise ValueError(f"draft token ids must be in [0, {self.vocab_size})")
+        self.token_ids[state.row, state.num_tokens : end] = drafts
+        state.num_drafts = len(drafts)
+
+    def extend_tokens(self, state: RequestState, tokens: list[int]) -> None:
+        """Append several tokens (accepted drafts + one) to the request's token list."""
+        end = min(state.num_tokens + len(tokens), self.max_model_len)
+        self.token_ids[state.row, state.num_tokens : end] = tokens[: end - state.num_tokens]
+        state.num_tokens += len(tokens)
+
     def append_tokens(self, states: list[RequestState], tokens: list[int]) -> None:
         """Append each sampled token to its request's token list."""
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
@@ -124,7 +144,7 @@ class InputBatch:
     def check_schedulable(self, state: RequestState, num_scheduled: int) -> None:
         """ValueError when the scheduler asks for tokens the request does not have or cannot store."""
         end = state.num_computed + num_scheduled
-        if num_scheduled < 1 or end > state.num_tokens:
+        if num_scheduled < 1 or end > state.num_tokens + state.num_drafts:
             raise ValueError(
                 f"request {state.req_id!r}: cannot compute tokens [{state.num_computed}, {end}) "
                 f"of {state.num_tokens}"
@@ -135,9 +155,14 @@ class InputBatch:
             )
 
     def prepare(
-        self, order: list[RequestState], num_scheduled: list[int], device: torch.device
+        self,
+        order: list[RequestState],
+        num_scheduled: list[int],
+        device: torch.device,
+        has_drafts: bool = False,
     ) -> StepBatch:
-        """Pack the scheduled tokens of `order` (already decode-first) into one batch."""
+        """Pack the scheduled tokens of `order` (already decode-first) into one batch;
+        `has_drafts`: some requests verify drafts (RequestState.num_drafts) this step."""
         rows = np.fromiter((s.row for s in order), dtype=np.int64, count=len(order))
         computed = np.fromiter((s.num_computed for s in order), dtype=np.int64, count=len(order))
         sched = np.asarray(num_scheduled, dtype=np.int64)
@@ -162,6 +187,8 @@ class InputBatch:
             query_lens_cpu=sched.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
+        if has_drafts:
+            return self._with_drafts(order, sched, input_ids, positions, meta, cu, device)
         sample = [i for i, s in enumerate(order) if seq_lens[i] == s.num_tokens]
         return StepBatch(
             [s.req_id for s in order],
@@ -172,6 +199,39 @@ class InputBatch:
             meta,
             sample,
             _tensor(cu[1:][sample] - 1, device),
+        )
+
+    def _with_drafts(
+        self,
+        order: list[RequestState],
+        sched: np.ndarray,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        meta: AttentionMetadata,
+        cu: np.ndarray,
+        device: torch.device,
+    ) -> StepBatch:
+        """The batch of a step with drafts: a request that reaches the end of its tokens plus
+        drafts gets a logit row per draft and one after the last."""
+        ends = [int(s.num_computed + sched[i]) for i, s in enumerate(order)]
+        sample = [i for i, s in enumerate(order) if ends[i] == s.num_tokens + s.num_drafts]
+        meta.verify_reqs = [i for i, s in enumerate(order) if s.num_drafts]
+        num_logits = [1 + order[i].num_drafts for i in sample]
+        rows = [
+            r
+            for i, n in zip(sample, num_logits, strict=True)
+            for r in range(cu[i + 1] - n, cu[i + 1])
+        ]
+        return StepBatch(
+            [s.req_id for s in order],
+            order,
+            sched,
+            _tensor(input_ids, device),
+            _tensor(positions, device),
+            meta,
+            sample,
+            _tensor(np.asarray(rows, dtype=np.int64), device),
+            num_logits,
         )
 
     def _validate(self, new: NewRequestData, tokens: list[int]) -> None:

@@ -13,11 +13,13 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from services.config import WorkerConfig
+from services.config import SpeculativeConfig, WorkerConfig
 from services.pooling import read_pooler_config
 from services.step_types import (
+    KVCacheSpec,
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobs,
@@ -29,6 +31,7 @@ from services.types import TokenLogprobs
 from worker_service import kv_cache
 from worker_service.attention import get_attention_backend
 from worker_service.cpu_kernels import KernelChoice, choose_kernels, read_cpu_info
+from worker_service.draft_model import DraftModelProposer
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.loader import load_model
 from worker_service.models import cpu_ops
@@ -36,8 +39,10 @@ from worker_service.models.context import forward_context
 from worker_service.multimodal import MultiModalInputs
 from worker_service.parallel import TPGroup
 from worker_service.pooler import Pooler
+from worker_service.rejection_sampler import rejection_sample
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
+from worker_service.spec_decode import NgramProposer, can_speculate
 from worker_service.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -76,6 +81,29 @@ class ModelRunner:
         pooling = config.model.runner == "pooling"
         self.pooler = Pooler(read_pooler_config(model_dir) if pooling else None)
         self.num_blocks = 0
+        self.proposer, self.draft = self._proposer(config.speculative_config)
+
+    def _proposer(
+        self, spec: SpeculativeConfig | None
+    ) -> tuple[NgramProposer | DraftModelProposer | None, DraftModelProposer | None]:
+        """Speculative decoding: the proposer, and it again when it is a draft model."""
+        if spec is None:
+            return None, None
+        if spec.method == "ngram":
+            return NgramProposer(spec, self.max_model_len), None
+        if self.tp.size > 1:
+            raise ValueError("a draft model with tensor parallelism is not supported")
+        arch = self.model.config
+        draft = DraftModelProposer(
+            spec, arch.vocab_size, self.dtype, self.device, self.backend, self.block_size,
+            self.max_model_len,
+        )  # fmt: skip
+        return draft, draft
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """What one block costs on this worker: the target's pool, and the draft's."""
+        return self.spec if self.draft is None else self.draft.combined(self.spec)
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
         """Apply the GEMM and attention choice for a bf16 model on CPU, and log it."""
@@ -93,8 +121,17 @@ class ModelRunner:
     # ----------------------------------------------------------------- cache
     def initialize_cache(self, num_blocks: int) -> int:
         allocated = kv_cache.allocate(self.model, self.spec, num_blocks, self.dtype, self.device)
+        if self.draft is not None:
+            allocated += self.draft.allocate(num_blocks)
         self.num_blocks = num_blocks
         return allocated
+
+    def release_cache(self) -> None:
+        """Drop the KV pools (target and draft)."""
+        kv_cache.release(self.model)
+        if self.draft is not None:
+            self.draft.release()
+        self.num_blocks = 0
 
     def profile_gpu_memory(self, utilization: float) -> int:
         """GPU: run a forward at the largest batch on a throwaway pool; what remains under
@@ -104,7 +141,7 @@ class ModelRunner:
         kv_cache.allocate(self.model, self.spec, blocks, self.dtype, self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        pool = blocks * self.spec.bytes_per_block
+        pool = blocks * self.kv_spec.bytes_per_block
         self._dummy_forward(tokens, blocks)
         peak = torch.cuda.max_memory_allocated(self.device) - pool
         kv_cache.release(self.model)
@@ -125,12 +162,13 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         errors = self._apply_deltas(so)
+        has_drafts = bool(so.scheduled_spec_decode_tokens) and self._set_drafts(so, errors)
         order, counts = self._schedule_order(so, errors)
         order, counts = self.mm.encode(order, counts, errors)  # vision encoders, if any
         out = ModelRunnerOutput(step_id=so.step_id, request_errors=errors)
         if not order:
             return out
-        step = self.input_batch.prepare(order, counts, self.device)
+        step = self.input_batch.prepare(order, counts, self.device, has_drafts)
         self.tp.send_step(step.input_ids, step.positions, step.meta)  # ranks 1..N-1 run it too
         t1 = time.perf_counter()
         with torch.inference_mode(), forward_context(step.meta):
@@ -139,11 +177,20 @@ class ModelRunner:
             t2 = time.perf_counter()
             if self.input_batch.num_pooling:  # embedding requests: pooled, not sampled
                 out.pooler_output = self.pooler.run(step, hidden)
-            self._sample_into(out, step, hidden)
+            if self.draft is not None:
+                self.draft.observe(step)  # the draft's KV follows the step's tokens
+            rejected = self._sample_into(out, step, hidden)
             out.prompt_logprobs = self._prompt_logprobs(step, hidden)
         for state, n in zip(step.states, counts, strict=True):
             state.num_computed += n
+        for state, num_rejected in rejected:  # rejected drafts: their KV is not computed
+            state.num_computed -= num_rejected
+        if has_drafts:
+            for state in step.states:
+                state.num_drafts = 0  # drafts live for one step
         self.mm.advance(step.states)
+        if self.proposer is not None:
+            self._propose(out, step)
         t3 = time.perf_counter()
         out.timings = WorkerTimings(*(1000 * d for d in (t1 - t0, t2 - t1, t3 - t2, t3 - t0)))
         return out
@@ -171,6 +218,32 @@ class ModelRunner:
                 errors[cached.request_id] = str(exc)
         return errors
 
+    def _set_drafts(self, so: SchedulerOutput, errors: dict[str, str]) -> bool:
+        """Write the step's drafts after their requests' tokens; True when any were set."""
+        any_set = False
+        for draft in so.scheduled_spec_decode_tokens:
+            state = self.input_batch.requests.get(draft.request_id)
+            if state is None or draft.request_id in errors or not draft.token_ids:
+                continue
+            try:
+                if not can_speculate(state.params, state.num_outputs):
+                    raise ValueError(f"request {state.req_id!r} cannot verify drafts")
+                self.input_batch.set_drafts(state, draft.token_ids)
+                any_set = True
+            except ValueError as exc:
+                errors[draft.request_id] = str(exc)
+                self.input_batch.remove(draft.request_id)
+        return any_set
+
+    def _propose(self, out: ModelRunnerOutput, step: StepBatch) -> None:
+        """Drafts for the requests that sampled this step (speculative decoding)."""
+        assert self.proposer is not None
+        errors = out.request_errors
+        states = [step.states[i] for i in step.sample_reqs]
+        states = [s for s in states if s.req_id not in errors] if errors else states
+        with torch.inference_mode():
+            out.draft_token_ids = self.proposer.propose(states, self.input_batch)
+
     def _schedule_order(
         self, so: SchedulerOutput, errors: dict[str, str]
     ) -> tuple[list[RequestState], list[int]]:
@@ -192,14 +265,68 @@ class ModelRunner:
         items.sort(key=lambda item: item[1] != 1)
         return [s for s, _ in items], [n for _, n in items]
 
-    def _sample_into(self, out: ModelRunnerOutput, step: StepBatch, hidden: torch.Tensor) -> None:
-        """Sample the rows that reached the end of their token list; fill out.req_ids/sampled."""
+    def _sample_into(
+        self, out: ModelRunnerOutput, step: StepBatch, hidden: torch.Tensor
+    ) -> list[tuple[RequestState, int]]:
+        """Sample the rows that reached the end of their token list; fill out.req_ids/sampled.
+        Returns the requests that verified drafts, with how many they rejected."""
         out.req_ids = step.req_ids
         out.sampled = [SampledTokens() for _ in step.req_ids]
         if not step.sample_reqs or step.logits_indices is None:
-            return
+            return []
         states = [step.states[i] for i in step.sample_reqs]
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+        if step.num_logits is not None:
+            return self._verify_into(out, step, states, logits)
+        for i, sampled in zip(step.sample_reqs, self._sample(states, logits, out), strict=True):
+            out.sampled[i] = sampled
+        return []
+
+    def _verify_into(
+        self,
+        out: ModelRunnerOutput,
+        step: StepBatch,
+        states: list[RequestState],
+        logits: torch.Tensor,  # [sum(num_logits), V]
+    ) -> list[tuple[RequestState, int]]:
+        """A step with drafts: plain rows sample as usual, draft rows go through the
+        rejection sampler; accepted tokens are appended to the token table."""
+        assert step.num_logits is not None
+        ends = np.cumsum(step.num_logits)
+        plain = [j for j, s in enumerate(states) if s.num_drafts == 0]
+        if plain:
+            rows = torch.from_numpy(ends[plain] - 1).to(self.device)
+            sampled = self._sample([states[j] for j in plain], logits.index_select(0, rows), out)
+            for j, one in zip(plain, sampled, strict=True):
+                out.sampled[step.sample_reqs[j]] = one
+        spec = [j for j, s in enumerate(states) if s.num_drafts > 0]
+        if not spec:
+            return []
+        rows = torch.from_numpy(
+            np.concatenate([np.arange(ends[j] - step.num_logits[j], ends[j]) for j in spec])
+        ).to(self.device)
+        accepted = self._verify([states[j] for j in spec], logits.index_select(0, rows))
+        rejected = []
+        for j, tokens in zip(spec, accepted, strict=True):
+            state = states[j]
+            out.sampled[step.sample_reqs[j]] = SampledTokens(tokens)
+            self.input_batch.extend_tokens(state, tokens)
+            rejected.append((state, state.num_drafts + 1 - len(tokens)))
+        return rejected
+
+    def _verify(self, states: list[RequestState], logits: torch.Tensor) -> list[list[int]]:
+        """logits [sum(K_i + 1), V] of requests with K_i drafts -> accepted drafts + one."""
+        table = self.input_batch.token_ids
+        drafts = [table[s.row, s.num_tokens : s.num_tokens + s.num_drafts].tolist() for s in states]
+        rows = [s for s in states for _ in range(s.num_drafts + 1)]
+        eos = self.model.config.eos_token_ids
+        batch = build_sampling_batch(rows, self.input_batch, eos, self.device)
+        return rejection_sample(logits, batch, drafts, self.sampler.generator)
+
+    def _sample(
+        self, states: list[RequestState], logits: torch.Tensor, out: ModelRunnerOutput
+    ) -> list[SampledTokens]:
+        """One token per row of logits [len(states), V]; appended to the token table."""
         eos = self.model.config.eos_token_ids
         batch = build_sampling_batch(states, self.input_batch, eos, self.device)
         grammar = self.structured.bitmask(states)
@@ -211,9 +338,11 @@ class ModelRunner:
         if grammar is not None:
             out.request_errors.update(self.structured.accept(states, tokens))
         logprobs = to_token_logprobs(result, [s.params.logprobs for s in states])
-        for i, token, lp in zip(step.sample_reqs, tokens, logprobs, strict=True):
-            out.sampled[i] = SampledTokens([token], [lp] if lp is not None else [])
         self.input_batch.append_tokens(states, tokens)
+        return [
+            SampledTokens([token], [lp] if lp is not None else [])
+            for token, lp in zip(tokens, logprobs, strict=True)
+        ]
 
     def _prompt_logprobs(self, step: StepBatch, hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Logprobs of the prompt tokens this step's chunk predicts, for requests that asked."""

@@ -82,7 +82,7 @@ class Worker:
         return self.model_info
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
-        return self.runner.spec
+        return self.runner.kv_spec
 
     def determine_available_memory(self) -> int:
         """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner).
@@ -98,7 +98,7 @@ class Worker:
             available = kv_cache.cpu_kv_budget(self.config.cache.kv_cache_memory_bytes)
         if self.tp.size == 1:
             return available
-        block = self.runner.spec.bytes_per_block
+        block = self.runner.kv_spec.bytes_per_block
         return self.tp.min_over_ranks(available // block) * block
 
     def initialize_cache(self, num_blocks: int) -> int:
@@ -119,8 +119,7 @@ class Worker:
 
     def _release_pool(self) -> None:
         if self.runner.num_blocks:
-            kv_cache.release(self.runner.model)
-            self.runner.num_blocks = 0
+            self.runner.release_cache()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner.num_blocks == 0 and scheduler_output.num_scheduled_tokens:
@@ -128,6 +127,5 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        kv_cache.release(self.runner.model)
-        self.runner.num_blocks = 0
+        self.runner.release_cache()
         self.tp.stop()

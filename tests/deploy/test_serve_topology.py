@@ -73,3 +73,26 @@ def test_engine_is_one_replica_listening_on_host() -> None:
 def test_bad_topologies_exit_with_a_message(argv: list[str], capsys: Any) -> None:
     assert main(argv) == 2
     assert "tessera:" in capsys.readouterr().err
+
+
+def test_speculative_config_reaches_worker_and_scheduler() -> None:
+    """`--speculative-config` is checked by `tessera serve` and passed to the worker and the
+    scheduler of each replica (normalized JSON); the gateway does not take it."""
+    from scheduler_service.__main__ import configs
+    from services.config import SpeculativeConfig
+    from worker_service.__main__ import build_config
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    args = build_parser().parse_args(["serve", "--speculative-config", spec])
+    worker_argv, scheduler_argv, gateway_argv = (s.argv for s in build_services(args, "token"))
+    expected = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
+    assert build_config(parsed(worker_argv)[1]).speculative_config == expected
+    scheduler_config, _ = configs(parsed(scheduler_argv)[1])
+    assert scheduler_config.speculative_config == expected
+    assert not scheduler_config.use_async_scheduling
+    assert "--speculative-config" not in gateway_argv
+    plain = build_services(build_parser().parse_args(["serve"]), "token")
+    assert not any("--speculative-config" in s.argv for s in plain)
+    bad = build_parser().parse_args(["serve", "--speculative-config", '{"method": "x"}'])
+    with pytest.raises(ValueError, match="speculative method"):
+        build_services(bad, "token")

@@ -10,6 +10,7 @@ from google.protobuf.message import Message
 from services import convert
 from services.step_types import (
     CachedRequestData,
+    DraftTokens,
     KVCacheSpec,
     ModelInfo,
     ModelRunnerOutput,
@@ -128,6 +129,7 @@ CASES: list[Any] = [
         total_num_scheduled_tokens=4,
         finished_req_ids=["c"],
         preempted_req_ids=["d"],
+        scheduled_spec_decode_tokens=[DraftTokens("b", [7, 8])],
     ),
     ModelRunnerOutput(
         step_id=9,
@@ -138,6 +140,7 @@ CASES: list[Any] = [
         request_errors={"e": "bad logit_bias"},
         error="step failed",
         pooler_output=[PooledOutput(request_id="p", data=b"\x00\x00\x80?")],
+        draft_token_ids=[DraftTokens("b", [10, 11, 12])],
     ),
     ModelInfo(
         model_name="m",
@@ -190,6 +193,9 @@ CASES: list[Any] = [
         queue_time_p50=0.25,
         num_finished=7,
         healthy=True,
+        spec_decode_num_drafts=5,
+        spec_decode_num_draft_tokens=20,
+        spec_decode_num_accepted_tokens=9,
     ),
 ]
 CASES.append(StructuredOutputParams(json='{"type": "object"}'))

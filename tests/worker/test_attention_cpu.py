@@ -105,3 +105,21 @@ def test_no_compiler_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, tmp_pat
         )
     finally:
         cpu_kernel.load.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_verify_rows_run_as_decode_rows_of_the_kernel(dtype: torch.dtype) -> None:
+    """Speculative decoding: requests verifying drafts (meta.verify_reqs) attend each new
+    token as a causal decode row of the paged kernel; same result as dense attention."""
+    requests = [(40, 1), (37, 5), (3, 1), (16, 3), (0, 6)]  # 1 and 3 verify drafts
+    case = build_case(requests, 6, 2, 64, 16, dtype)
+    case.k_cache.nan_to_num_(FAR)
+    case.v_cache.nan_to_num_(FAR)
+    case.meta.verify_reqs = [1, 3]
+    backend = make_backend("kernel")
+    backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    plan = backend._get_plan(case.meta, 16, True)
+    assert plan.kernel_decode is not None and len(plan.kernel_decode.rows) == 2 + 5 + 3
+    assert len(plan.prefills) == 1  # only the real prefill
+    torch.testing.assert_close(out.float(), dense_attention(case), atol=tolerance(dtype), rtol=0)

@@ -9,7 +9,7 @@ tokens of all requests are concatenated along dim 0, request by request.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class AttentionMetadata:
     # Host copies of query lengths and seq lens, for backends that loop or bucket on the CPU.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Requests verifying draft tokens (speculative decoding): their new tokens follow a
+    # decoded sequence, so a backend may attend each of them as a decode row of its own.
+    verify_reqs: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -179,11 +179,14 @@ def build_plan(meta: AttentionMetadata, block_size: int, use_kernel: bool = Fals
     and per-request prefill calls."""
     starts = meta.query_start_loc.tolist()
     decode_reqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+    verify = set(meta.verify_reqs) if use_kernel else set()
     prefills = [
         _prefill_item(meta, i, starts[i], block_size)
         for i, q in enumerate(meta.query_lens_cpu)
-        if q > 1
+        if q > 1 and i not in verify
     ]
+    if verify:
+        return _Plan([], _verify_batch(meta, decode_reqs, sorted(verify), starts), prefills)
     if use_kernel:
         return _Plan([], _kernel_batch(meta, decode_reqs, starts), prefills)
     groups = _length_groups(decode_reqs, meta.seq_lens_cpu)
@@ -198,6 +201,22 @@ def _kernel_batch(
     rows = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64)
     reqs = torch.tensor(decode_reqs, dtype=torch.int64)
     return cpu_kernel.DecodeBatch(meta.block_table, meta.seq_lens, reqs, rows)
+
+
+def _verify_batch(
+    meta: AttentionMetadata, decode_reqs: list[int], verify: list[int], starts: list[int]
+) -> cpu_kernel.DecodeBatch:
+    """Decode requests plus each verified token as a decode row of its own: token j of a
+    request with q new tokens and seq_len s sees the first s - q + 1 + j keys (causal)."""
+    items = [(i, starts[i], meta.seq_lens_cpu[i]) for i in decode_reqs]
+    for i in verify:
+        q, s = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        items += [(i, starts[i] + j, s - q + 1 + j) for j in range(q)]
+    req_rows = torch.tensor([i for i, _, _ in items], dtype=torch.int64)
+    table = meta.block_table.index_select(0, req_rows).contiguous()  # [rows, max_blocks]
+    seq_lens = torch.tensor([s for _, _, s in items], dtype=torch.int32)
+    rows = torch.tensor([r for _, r, _ in items], dtype=torch.int64)
+    return cpu_kernel.DecodeBatch(table, seq_lens, torch.arange(len(items)), rows)
 
 
 def _length_groups(decode_reqs: list[int], seq_lens: list[int]) -> list[list[int]]:
