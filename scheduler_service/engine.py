@@ -141,6 +141,8 @@ class EngineCore:
         if vocab and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         self._check_options(request)
+        if request.lora_request is not None and not self.scheduler_config.lora.enable_lora:
+            raise ValueError("LoRA adapters are not enabled (start with --enable-lora)")
         min_output = max(1, request.sampling_params.min_tokens)
         if len(prompt) + min_output > self.max_model_len:
             raise ValueError(

@@ -71,4 +71,5 @@ class StepPlan:
             num_computed_tokens=request.num_computed_tokens,
             mm_inputs=request.mm_inputs,
             resumed_from_preemption=request.request_id in self.resumed,
+            lora_request=request.lora_request,
         )

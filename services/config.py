@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.lora_config import LoRAConfig
 from services.types import MAX_LOGPROBS, MAX_N
 
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct (services.default_model)
@@ -137,6 +138,8 @@ class SchedulerConfig:
     # Multimodal placeholder tokens (image embeddings) the workers may encode in one step;
     # 0 means max_num_batched_tokens. Bounds the vision-encoder time of a step.
     max_num_encoder_tokens: int = 0
+    # Multi-LoRA: at most lora.max_loras distinct adapters in the running batch.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def encoder_budget(self) -> int:
@@ -185,6 +188,8 @@ class WorkerConfig:
     max_num_seqs: int = 256
     # Tensor parallelism (rank 0 is the worker the scheduler talks to).
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Multi-LoRA: adapter slots and the largest rank.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -194,6 +199,10 @@ class WorkerConfig:
         _require(self.num_threads >= 0, "num_threads must be >= 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(
+            not (self.lora.enable_lora and self.parallel.tensor_parallel_size > 1),
+            "LoRA with tensor_parallel_size > 1 is not supported yet",
+        )
 
 
 ROUTINGS = ("affinity", "round-robin")  # how a gateway spreads requests over engine replicas
@@ -284,6 +293,8 @@ class GatewayConfig:
     # Per-request budgets and deadline: --max-n, --max-logprobs, --max-request-tokens,
     # --request-timeout.
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Multi-LoRA: the adapters "model" may name, runtime load/unload.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def scheduler_addresses(self) -> tuple[str, ...]:

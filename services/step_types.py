@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.types import MultiModalInput, SamplingParams, TokenLogprobs
+from services.types import LoRARequest, MultiModalInput, SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class NewRequestData:
     num_computed_tokens: int = 0
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     resumed_from_preemption: bool = False
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 @dataclass(slots=True)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from services.types import SamplingParams, StructuredOutputParams, StructuredOutputsParams
+from services.types import (
+    LoRARequest,
+    SamplingParams,
+    StructuredOutputParams,
+    StructuredOutputsParams,
+)
 
 if TYPE_CHECKING:
     from tessera.llm import LLM, CompletionOutput, RequestOutput
@@ -12,6 +17,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",

@@ -20,6 +20,7 @@ from gateway.tokenizer import ChatTurn, Tokenizer
 from scheduler_service.engine import EngineCore
 from services.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -31,6 +32,7 @@ from services.types import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     MultiModalInput,
     SamplingParams,
 )
@@ -89,9 +91,14 @@ class LLM:
         num_threads: int = 0,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int = 0,
     ) -> None:
         from worker_service.worker import Worker  # torch comes in with the worker only
 
+        lora = LoRAConfig(enable_lora, max_loras, max_lora_rank, max_cpu_loras)
         cache = CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
@@ -105,10 +112,11 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            lora=lora,
         )
         self.worker = Worker(worker_config)  # tensor parallel: starts ranks 1..N-1
         scheduler = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, lora=lora
         )
         self.engine = EngineCore(scheduler, cache, [self.worker])
         self.tokenizer = Tokenizer.load(model)
@@ -121,21 +129,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs keep the prompts' order.
 
         A prompt is text, token ids, {"prompt": str} or {"prompt_token_ids": [...]}
         (vLLM's forms), one or a list. All are checked before any is queued.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt.
         """
         parsed = parse_prompts(prompts, self.tokenizer.encode)
         params = _per_prompt(sampling_params, len(parsed))
+        loras = _loras_per_prompt(lora_request, len(parsed))
         texts = [p.text for p in parsed]
         with _Images() as images:
             for p in parsed:
                 images.add(self._with_images(p.text or "", list(p.images), True), p.token_ids)
             for i, prompt_ids in enumerate(images.ids):
-                self._check(prompt_ids, params[i], i)
-            return self._run(images.ids, texts, params, use_tqdm, images.mm_inputs)
+                self._check(prompt_ids, params[i], i, loras[i])
+            return self._run(images.ids, texts, params, use_tqdm, images.mm_inputs, loras)
 
     def chat(
         self,
@@ -173,10 +184,13 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool | None,
         mm_inputs: list[list[MultiModalInput]] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         mm = mm_inputs or [[] for _ in prompt_ids]
+        adapters = loras or [None] * len(prompt_ids)
         request_ids = [
-            self._add(ids, p, items) for ids, p, items in zip(prompt_ids, params, mm, strict=True)
+            self._add(ids, p, items, lora)
+            for ids, p, items, lora in zip(prompt_ids, params, mm, adapters, strict=True)
         ]
         pending = {rid: _Pending() for rid in request_ids}
         show = use_tqdm if use_tqdm is not None else len(request_ids) >= TQDM_MIN_PROMPTS
@@ -189,21 +203,38 @@ class LLM:
             for rid, ids, text in zip(request_ids, prompt_ids, texts, strict=True)
         ]
 
-    def _check(self, prompt_ids: list[int], params: SamplingParams, index: int) -> None:
+    def _check(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        index: int,
+        lora: LoRARequest | None = None,
+    ) -> None:
         """The engine's own validation, before anything is queued; names the prompt."""
         try:
-            self.engine.validate(EngineCoreRequest(str(index), prompt_ids, params))
+            self.engine.validate(
+                EngineCoreRequest(str(index), prompt_ids, params, lora_request=lora)
+            )
         except ValueError as exc:
             raise ValueError(f"prompt {index}: {exc}") from None
 
     def _add(
-        self, prompt_ids: list[int], params: SamplingParams, mm_inputs: list[MultiModalInput]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: list[MultiModalInput],
+        lora: LoRARequest | None = None,
     ) -> str:
         request_id = str(self._next_id)
         self._next_id += 1
         self.engine.add_request(
             EngineCoreRequest(
-                request_id, prompt_ids, params, arrival_time=time.time(), mm_inputs=mm_inputs
+                request_id,
+                prompt_ids,
+                params,
+                arrival_time=time.time(),
+                mm_inputs=mm_inputs,
+                lora_request=lora,
             )
         )
         return request_id
@@ -260,6 +291,14 @@ def _collect(pending: _Pending, out: EngineCoreOutput) -> int:
     pending.token_ids.extend(out.new_token_ids)
     pending.last = out
     return 1 if out.finished else 0
+
+
+def _loras_per_prompt(lora: Any, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora requests for {n} prompts")
+    return list(lora)
 
 
 def _per_prompt(params: Any, n: int) -> list[SamplingParams]:

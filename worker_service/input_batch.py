@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from services.step_types import CachedRequestData, NewRequestData
-from services.types import SamplingParams
+from services.types import LoRARequest, SamplingParams
 from worker_service.attention.base import AttentionMetadata
 
 
@@ -31,6 +31,11 @@ class RequestState:
     params: SamplingParams
     resumed: bool = False  # re-sent after preemption: prompt logprobs were already reported
     matcher: Any = None  # llguidance.LLMatcher of a structured-output request (see structured.py)
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_outputs(self) -> int:
@@ -82,6 +87,7 @@ class InputBatch:
             len(new.block_ids),
             new.sampling_params,
             new.resumed_from_preemption,
+            lora=new.lora_request,
         )
         self.requests[new.request_id] = state
         return state

@@ -26,6 +26,7 @@ from services.types import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     MultiModalInput,
     RequestTimestamps,
     SamplingParams,
@@ -75,6 +76,7 @@ CUDA = TensorHandle(
 SHM = TensorHandle(dtype="uint8", shape=(2, 2), shared_memory=SharedMemoryLocation("psm_1", 64, 4))
 INLINE = TensorHandle(dtype="float32", shape=(1,), inline_bytes=b"\x00\x00\x80?")
 MM = MultiModalInput(modality="image", offset=3, length=64, content_hash="abc", tensor=CUDA)
+LORA = LoRARequest("sql", 3, "/adapters/sql")
 
 CASES: list[Any] = [
     PARAMS,
@@ -82,6 +84,7 @@ CASES: list[Any] = [
     SHM,
     INLINE,
     MM,
+    LORA,
     EngineCoreRequest(
         request_id="r1",
         prompt_token_ids=[1, 2, 3],
@@ -90,6 +93,7 @@ CASES: list[Any] = [
         priority=-3,
         cache_salt="tenant-a",
         mm_inputs=[MM],
+        lora_request=LORA,
     ),
     EngineCoreOutput(
         request_id="r1",
@@ -114,6 +118,7 @@ CASES: list[Any] = [
                 num_computed_tokens=16,
                 mm_inputs=[MM],
                 resumed_from_preemption=True,
+                lora_request=LORA,
             )
         ],
         scheduled_cached_reqs=[
