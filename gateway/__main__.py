@@ -12,6 +12,7 @@ from gateway.server import GatewayServer
 from services.config import DEFAULT_MODEL, ROUTINGS, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
+from services.lora_config import add_lora_args, lora_from_args
 from services.security import API_KEY_ENV, add_security_args, security_from_args
 
 
@@ -67,6 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_limit_args(p)
     add_media_args(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_lora_args(p)
     add_security_args(p)  # the gateway's channel to the scheduler
     return p.parse_args(argv)
 
@@ -96,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         allowed_media_networks=tuple(args.allowed_media_networks),
         image_transport=args.image_transport,
         limits=limits_from_args(args),
+        lora=lora_from_args(args),
     )
 
 

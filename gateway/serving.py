@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
@@ -36,9 +37,10 @@ from gateway.router import EngineRouter
 from gateway.tokenizer import Tokenizer
 from services.config import RequestLimits
 from services.step_types import ServerInfo
-from services.types import EngineCoreRequest
+from services.types import EngineCoreRequest, LoRARequest
 
 if TYPE_CHECKING:
+    from gateway.lora import LoRARegistry
     from gateway.media import ImageService
     from gateway.multimodal import PreparedImages
 
@@ -52,6 +54,7 @@ class ModelCard:
     vocab_size: int
     created: int
     host_id: str = ""  # the worker's host (services.tensor_handles.host_id): shm handles
+    lora_request: LoRARequest | None = None  # the adapter `name` stands for; None: the base
 
 
 @dataclass
@@ -64,6 +67,7 @@ class GenerateJob:
     prompt_logprobs: bool = False  # echo with logprobs: ask for prompt logprobs too
     arrival_time: float = field(default_factory=time.time)
     images: PreparedImages | None = None  # the prompt's image handles, owned by the job
+    lora_request: LoRARequest | None = None  # the adapter the request's model names
 
     def release(self) -> None:
         """Free the job's image memory (unlink shm segments); once the request ended."""
@@ -92,6 +96,7 @@ class Serving:
         max_in_flight: int = 1024,
         max_inflight_bytes: int = 256 << 20,
         limits: RequestLimits | None = None,
+        loras: LoRARegistry | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -104,6 +109,7 @@ class Serving:
         self.draining = False
         self.images: ImageService | None = None  # set for a vision-language model
         self._card: ModelCard | None = None
+        self.loras = loras  # served LoRA adapters (--enable-lora); None: none
 
     # -- model and admission ---------------------------------------------------------------
 
@@ -118,8 +124,12 @@ class Serving:
         return self._card
 
     async def check_model(self, model: str | None) -> ModelCard:
-        """The card when `model` names the served model (or is empty); 404 otherwise."""
+        """The card when `model` names the served model (or is empty) or one of its LoRA
+        adapters (then the card carries the adapter); 404 otherwise."""
         card = await self.model_card()
+        lora = self.loras.get(model) if self.loras is not None else None
+        if lora is not None:
+            return dataclasses.replace(card, name=lora.lora_name, lora_request=lora)
         if model and model != card.name:
             raise ModelNotFound(
                 f"The model '{model}' does not exist; this server serves '{card.name}'.", "model"
@@ -226,6 +236,7 @@ class Serving:
             arrival_time=job.arrival_time,
             priority=job.options.priority,
             mm_inputs=job.images.mm_inputs if job.images is not None else [],
+            lora_request=job.lora_request,
         )
         return index, request
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -76,3 +78,64 @@ def parse_lora_module(text: str) -> LoRAModule:
     if not sep or not name or not path:
         raise ValueError(f"--lora-modules takes name=path or JSON, not {text!r}")
     return LoRAModule(name, path)
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """The LoRA flags (vLLM's names); every service takes them, `tessera serve` passes them
+    on with `lora_flags`."""
+    d = LoRAConfig()
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters to serve: name=path or JSON {"name": .., "path": .., "base_model_name": ..}',
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=d.max_loras, help="adapters one step may mix (slots)"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank"
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=d.max_cpu_loras,
+        help="adapters kept in host memory (0: max_loras)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+
+
+def lora_from_args(args: argparse.Namespace) -> LoRAConfig:
+    """The `add_lora_args` options of `args` (ValueError on bad values)."""
+    return LoRAConfig(
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+    )
+
+
+def lora_flags(args: argparse.Namespace) -> list[str]:
+    """The LoRA options of `args` as service flags (checked here, before anything starts)."""
+    config = lora_from_args(args)
+    if not config.enable_lora:
+        return []
+    flags = ["--enable-lora", "--max-loras", str(config.max_loras)]
+    flags += ["--max-lora-rank", str(config.max_lora_rank)]
+    flags += ["--max-cpu-loras", str(config.max_cpu_loras)]
+    if config.lora_modules:
+        flags += [
+            "--lora-modules",
+            *(json.dumps(dataclasses.asdict(m)) for m in config.lora_modules),
+        ]
+    if config.allow_runtime_lora_updating:
+        flags.append("--allow-runtime-lora-updating")
+    return flags

@@ -9,6 +9,7 @@ import sys
 
 from gateway.options import add_limit_args, add_media_args, limit_flags, media_flags
 from services.default_model import served_name
+from services.lora_config import add_lora_args, lora_flags
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
 from tessera.launcher import (
@@ -86,6 +87,7 @@ def _serve_parser(
     add_media_args(p)
     p.add_argument("--log-level", default="INFO")
     add_data_parallel_args(p)
+    add_lora_args(p)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="worker ranks the model is split over"
     )
@@ -104,6 +106,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     py = sys.executable
     replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
     common = ["--log-level", args.log_level]
+    lora = lora_flags(args)  # every service takes them
     env = {TOKEN_ENV: token}
     services: list[Service] = []
     for replica in replicas:
@@ -116,13 +119,13 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--kv-cache-memory", replica.kv_cache_memory, "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-            "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,
+            "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags, *lora,
         ]  # fmt: skip
         scheduler = [
             py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,
             "--port", str(replica.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-            *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+            *(["--no-prefix-caching"] if args.no_prefix_caching else []), *lora,
         ]  # fmt: skip
         services += [
             Service(f"worker{replica.suffix}", worker, grpc_up(worker_addr),
@@ -137,7 +140,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--grpc-port", str(args.grpc_port),
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *limit_flags(args), *media_flags(args),
-        *common,
+        *common, *lora,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     health = f"http://{probe_host}:{args.port}/health"

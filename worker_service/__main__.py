@@ -10,6 +10,7 @@ import signal
 from services.config import CacheConfig, ModelConfig, ParallelConfig, WorkerConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.log import setup_logging
+from services.lora_config import add_lora_args, lora_from_args
 from services.security import add_security_args, security_from_args
 from worker_service.cpu_kernels import add_kernel_args
 from worker_service.server import build_server
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     add_security_args(p)
     add_parallel_args(p)
+    add_lora_args(p)
     return p.parse_args(argv)
 
 
@@ -103,6 +105,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             init_method=args.tp_init_method,
             spawn_ranks=not args.tp_no_spawn,
         ),
+        lora=lora_from_args(args),
     )
 
 
