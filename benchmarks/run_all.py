@@ -1,7 +1,8 @@
 """`make bench` / `tessera bench all`: every benchmark in one run, then the README table.
 
 Runs the decode micro-benchmark and offline throughput (HF and vLLM in the same run),
-the per-step scheduler + gRPC overhead, scheduler CPU time, and online serving against
+the per-step scheduler + gRPC overhead, scheduler CPU time, multi-LoRA throughput (4
+adapters mixed against base only), and online serving against
 a `tessera serve` and a vLLM OpenAI server it starts itself, one after the other, with
 the same client, prompts and rates. vLLM's CPU build lives in its own venv (`--vllm-venv`,
 installed on first use); if it cannot be installed or run, the results say so and the
@@ -36,7 +37,7 @@ from services.healthcheck import http_healthy
 
 README = Path("README.md")
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SECTIONS = ["decode", "offline", "serve", "step_overhead", "scheduler"]
+SECTIONS = ["decode", "offline", "serve", "step_overhead", "scheduler", "lora"]
 
 
 def run_module(name: str, argv: list[str]) -> Any:
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         run_module("step_overhead_bench", ["--repeat", "2"])
     if "scheduler" not in skip:
         run_module("scheduler_bench", [])
+    if "lora" not in skip:
+        run_module("lora_bench", [])
     if "serve" not in skip:
         serve_both(args.port, env)
     if not args.quick:

@@ -33,6 +33,8 @@ class AdapterConfig:
 
 def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
     """The adapter at `path`, checked; ValueError naming the problem otherwise."""
+    if not str(path):
+        raise ValueError("a LoRA adapter needs a lora_path (its PEFT directory)")
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"LoRA adapter path {str(path)!r} is not a directory")

@@ -196,6 +196,7 @@ BENCHMARKS = {
     "scheduler": "scheduler_bench",
     "dp": "dp_bench",
     "multimodal": "multimodal_bench",
+    "lora": "lora_bench",
 }
 
 

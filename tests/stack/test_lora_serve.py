@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -210,3 +211,26 @@ def test_runtime_updating_is_off_by_default(dirs: dict[str, Path]) -> None:
         assert "a" in {m.id for m in _client(stack).models.list().data}
     finally:
         assert stack.stop() == 0
+
+
+def test_grpc_api_takes_the_adapter_in_model(stack: Stack) -> None:
+    from services.grpc_utils import sync_channel
+    from services.pb import generate_pb2 as pb
+    from services.pb import generate_pb2_grpc as pb_grpc
+
+    text = "The adapter says"
+    rest = _client(stack).completions.create(
+        model="a", prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    with sync_channel(stack.gateway_grpc_address) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        models = {m.id: m.parent for m in stub.ListModels(pb.ListModelsRequest()).models}
+        assert models["tiny"] == "" and models["a"] == "tiny" and models["b"] == "tiny"
+        params = pb.TextSamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        reply = stub.Complete(pb.CompletionRequest(model="a", prompt=text, params=params))
+        assert reply.model == "a" and reply.text == rest.choices[0].text
+        base = stub.Complete(pb.CompletionRequest(model="tiny", prompt=text, params=params))
+        assert base.text != reply.text
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Complete(pb.CompletionRequest(model="nope", prompt=text, params=params))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

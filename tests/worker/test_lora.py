@@ -179,14 +179,18 @@ def test_lora_off_refuses_a_lora_request(
 
 
 def test_segment_gemms_equal_a_per_token_loop() -> None:
+    """Merged q/k/v parts, ranks 8/4/2 padded to 8, one slot without k: the segment GEMMs equal
+    `B_part (A_part x)` token by token, computed from the adapters' own tensors."""
     torch.manual_seed(0)
     base = torch.nn.Linear(24, 40, bias=False)
     parts = [LoRAPart("q_proj", 0, 16), LoRAPart("k_proj", 16, 28), LoRAPart("v_proj", 28, 40)]
     batch = LoRABatch()
     layer = LoRALinear(base, parts, 24, 3, 8, batch, torch.float32, torch.device("cpu"))
+    adapters: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = []
     for slot, rank in enumerate((8, 4, 2)):
         pairs = [(torch.randn(rank, 24), torch.randn(p.out_end - p.out_start, rank)) for p in parts]
-        layer.set_slot(slot, [pairs[0], None if slot == 1 else pairs[1], pairs[2]])
+        adapters.append([pairs[0], None if slot == 1 else pairs[1], pairs[2]])
+        layer.set_slot(slot, adapters[-1])
     slot_of_token = [2, 2, -1, 0, 0, 0, 1, -1, -1, 1, 1, 0, 2]
     segments, start = [], 0
     for i in range(1, len(slot_of_token) + 1):
@@ -196,9 +200,22 @@ def test_segment_gemms_equal_a_per_token_loop() -> None:
             start = i
     batch.segments = segments
     x = torch.randn(len(slot_of_token), 24)
+    expected = torch.zeros(len(slot_of_token), 40)
+    for i, slot in enumerate(slot_of_token):
+        for part, pair in zip(parts, adapters[slot] if slot >= 0 else [None] * 3, strict=True):
+            if pair is not None:
+                expected[i, part.out_start : part.out_end] = pair[1] @ (pair[0] @ x[i])
     with torch.inference_mode():
         got = layer(x) - base(x)
-        expected = apply_segments_reference(x, layer.lora_a, layer.lora_b, slot_of_token)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert got[2].abs().max() == 0 and got[7:9].abs().max() == 0  # base tokens untouched
-    assert expected[6:].abs().sum() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(apply_segments_reference(x, layer, slot_of_token), expected)
+        assert got[2].abs().max() == 0 and got[7:9].abs().max() == 0  # base tokens untouched
+        assert expected[6:].abs().sum() > 0
+        bf16 = LoRALinear(base.to(torch.bfloat16), parts, 24, 3, 8, batch, torch.float32,
+                          torch.device("cpu"))  # fmt: skip
+        bf16.lora_a.copy_(layer.lora_a)
+        bf16.lora_b.copy_(layer.lora_b)
+        bf16.targeted = layer.targeted
+        xb = x.to(torch.bfloat16)
+        got_bf16 = bf16(xb).float() - base(xb).float()  # float32 delta, rounded into bf16
+        torch.testing.assert_close(got_bf16, expected, rtol=2e-2, atol=5e-2)

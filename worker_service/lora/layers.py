@@ -7,8 +7,9 @@ The runner orders a step's requests so that the tokens of one adapter are contig
 so base-model tokens cost nothing and the base layer itself is untouched.
 
 Merged layers (qkv, gate_up) keep one A/B pair per part: A [slots, parts * R, in] stacks the
-parts' A rows, B [slots, out, parts * R] is block-diagonal (part p's output columns read
-only part p's R ranks), so one pair of GEMMs serves q, k and v together.
+parts' A rows (one GEMM serves q, k and v), B [slots, out, R] holds each part's B in that
+part's output rows, and each part adds `xa[:, its R ranks] B_part^T` into its own output
+columns. Ranks below R are zero-padded; parts an adapter does not target are skipped.
 """
 
 from __future__ import annotations
@@ -52,37 +53,53 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.parts, self.batch, self.max_rank = base, parts, batch, max_rank
         out_features = parts[-1].out_end
-        ranks = len(parts) * max_rank
-        self.lora_a = torch.zeros(num_slots, ranks, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(num_slots, out_features, ranks, dtype=dtype, device=device)
+        self.lora_a = torch.zeros(
+            num_slots, len(parts) * max_rank, in_features, dtype=dtype, device=device
+        )
+        self.lora_b = torch.zeros(num_slots, out_features, max_rank, dtype=dtype, device=device)
+        self.targeted = [[False] * len(parts) for _ in range(num_slots)]  # [slot][part]
 
     def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill `slot` with one (A [r, in], B [part_out, r]) per part (None: not adapted)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         for p, (part, pair) in enumerate(zip(self.parts, pairs, strict=True)):
+            self.targeted[slot][p] = pair is not None
             if pair is None:
                 continue
             a, b = pair
             r0, r = p * self.max_rank, a.shape[0]
             self.lora_a[slot, r0 : r0 + r].copy_(a)
-            self.lora_b[slot, part.out_start : part.out_end, r0 : r0 + r].copy_(b)
+            self.lora_b[slot, part.out_start : part.out_end, :r].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [n, out]
+        if not self.batch.segments:
+            return y
+        x = x.to(self.lora_a.dtype)  # float32 on CPU (a no-op for a float32 model)
+        rank = self.max_rank
         for slot, start, end in self.batch.segments:
-            xa = torch.mm(x[start:end].to(self.lora_a.dtype), self.lora_a[slot].t())  # [m, P*R]
-            y[start:end] += torch.mm(xa, self.lora_b[slot].t())  # [m, out]
+            xa = torch.mm(x[start:end], self.lora_a[slot].t())  # [m, parts * R]
+            for p, part in enumerate(self.parts):
+                if self.targeted[slot][p]:
+                    b_t = self.lora_b[slot, part.out_start : part.out_end].t()  # [R, part_out]
+                    delta = torch.mm(xa[:, p * rank : (p + 1) * rank], b_t)  # [m, part_out]
+                    y[start:end, part.out_start : part.out_end] += delta  # bf16 y: rounded once
         return y
 
 
 def apply_segments_reference(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_of_token: list[int]
+    x: torch.Tensor, layer: LoRALinear, slot_of_token: list[int]
 ) -> torch.Tensor:
-    """The per-token loop the segment GEMMs must equal (tests): [n, out] deltas, zero where
-    the token's slot is -1 (the base model)."""
-    out = torch.zeros(x.shape[0], b.shape[1], dtype=a.dtype, device=x.device)
+    """The per-token, per-part loop the segment GEMMs must equal (tests): [n, out] deltas,
+    zero where the token's slot is -1 (the base model)."""
+    out = torch.zeros(x.shape[0], layer.lora_b.shape[1], dtype=layer.lora_a.dtype)
+    rank = layer.max_rank
     for i, slot in enumerate(slot_of_token):
-        if slot >= 0:
-            out[i] = b[slot] @ (a[slot] @ x[i].to(a.dtype))
+        if slot < 0:
+            continue
+        for p, part in enumerate(layer.parts):
+            a = layer.lora_a[slot, p * rank : (p + 1) * rank]  # [R, in]
+            b = layer.lora_b[slot, part.out_start : part.out_end]  # [part_out, R]
+            out[i, part.out_start : part.out_end] = b @ (a @ x[i].to(a.dtype))
     return out
