@@ -13,6 +13,7 @@ from services.config import DEFAULT_MODEL, ROUTINGS, GatewayConfig, parse_bytes
 from services.grpc_utils import set_internal_security
 from services.hub import add_hub_args, hub_from_args
 from services.log import setup_logging
+from services.lora_config import add_lora_args, lora_from_args
 from services.security import API_KEY_ENV, add_security_args, security_from_args
 
 
@@ -72,6 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_chat_args(p)
     add_media_args(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_lora_args(p)
     add_security_args(p)  # the gateway's channel to the scheduler
     return p.parse_args(argv)
 
@@ -106,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         chat_template_content_format=args.chat_template_content_format,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        lora=lora_from_args(args),
     )
 
 

@@ -25,6 +25,7 @@ from gateway.admission import BodyBudgetMiddleware
 from gateway.embeddings import EmbeddingRoutes
 from gateway.errors import ApiError, MethodNotAllowed, NotFound, ServiceUnavailable, internal_error
 from gateway.http_io import ClientDisconnected, read_json
+from gateway.lora import LoRARoutes
 from gateway.middleware import GatewayMiddleware
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import openapi_document
@@ -62,7 +63,11 @@ class BasicRoutes:
             "parent": None,
             "max_model_len": card.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+        loras = self.serving.loras.model_entries(model) if self.serving.loras else []
+        return JSONResponse({"object": "list", "data": [model, *loras]})
+
+    async def base_name(self) -> str:
+        return (await self.serving.model_card()).name
 
     async def health(self, request: Request) -> Response:
         if self.serving.draining:
@@ -133,6 +138,12 @@ def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
         Route("/version", basic.version, methods=["GET"]),
         Route("/openapi.json", basic.openapi, methods=["GET"]),
     ]
+    if serving.loras is not None and config.lora.allow_runtime_lora_updating:
+        lora = LoRARoutes(serving.loras, basic.base_name, config.max_body_bytes)
+        routes += [
+            Route("/v1/load_lora_adapter", lora.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", lora.unload, methods=["POST"]),
+        ]
     middleware = [
         Middleware(
             GatewayMiddleware,

@@ -134,7 +134,18 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         model = pb.ModelCard(
             id=card.name, max_model_len=card.max_model_len, owned_by="tessera", created=card.created
         )
-        return pb.ListModelsResponse(models=[model])
+        adapters = self.serving.loras.model_entries({"id": card.name}) if self.serving.loras else []
+        loras = [
+            pb.ModelCard(
+                id=a["id"],
+                max_model_len=card.max_model_len,
+                owned_by="tessera",
+                created=card.created,
+                parent=a["parent"],
+            )
+            for a in adapters
+        ]
+        return pb.ListModelsResponse(models=[model, *loras])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
         return await _checked(self._tokenize(request), context)
@@ -194,12 +205,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         card = await self.serving.check_model(request.model)
         options = text_options(request.params, request.priority)
         prompt = await self.serving.tokenizer.encode_async(request.prompt)
-        return GenerateJob(rs.new_id("cmpl"), [prompt], options), card.name
+        job = GenerateJob(rs.new_id("cmpl"), [prompt], options, lora_request=card.lora_request)
+        return job, card.name
 
     async def _chat_job(self, request: pb.ChatRequest) -> tuple[GenerateJob, str]:
         card = await self.serving.check_model(request.model)
         options = text_options(request.params, request.priority)
-        job = GenerateJob(rs.new_id("chatcmpl"), [], options)
+        job = GenerateJob(rs.new_id("chatcmpl"), [], options, lora_request=card.lora_request)
         turns = chat_messages(request.messages)
         images = sum(p.WhichOneof("part") == "image" for m in request.messages for p in m.parts)
         check_image_count(self.serving.images, card.name, images)

@@ -54,7 +54,7 @@ class OpenAIRoutes:
             options = dataclasses.replace(options, skip_special_tokens=False)
         card = await self.serving.check_model(req.model)
         self.serving.check_runner(card, "generate")
-        job = GenerateJob(rs.new_id("chatcmpl"), [], options)
+        job = GenerateJob(rs.new_id("chatcmpl"), [], options, lora_request=card.lora_request)
         if req.has_images:
             job.images = await prepare_chat_images(
                 self.serving.images,
@@ -96,7 +96,13 @@ class OpenAIRoutes:
         self.serving.check_runner(card, "generate")
         prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]
         want_prompt_lp = bool(req.echo) and options.logprobs is not None
-        job = GenerateJob(rs.new_id("cmpl"), prompts, options, prompt_logprobs=want_prompt_lp)
+        job = GenerateJob(
+            rs.new_id("cmpl"),
+            prompts,
+            options,
+            prompt_logprobs=want_prompt_lp,
+            lora_request=card.lora_request,
+        )
         echo = await self._echo_texts(req, job) if req.echo else {}
         collector = rs.Collector(job)
         first, stream = await self._start(request, job)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.config import ROUTINGS
-from services.prefix_hash import extend_block_hashes
+from services.prefix_hash import extend_block_hashes, lora_key
 from services.types import EngineCoreRequest
 
 
@@ -66,6 +66,7 @@ def affinity_key(request: EngineCoreRequest, block_size: int, prefix_blocks: int
         block_size,
         request.mm_inputs,
         request.cache_salt,
+        lora_key(request.lora_request),  # an adapter's KV lives only where it ran
         max_blocks=prefix_blocks,
     )
     return hashes[-1] if hashes else None

@@ -17,6 +17,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.errors import ApiError
 from gateway.grpc_api import build_grpc_server
+from gateway.lora import LoRARegistry
 from gateway.media import ImageService
 from gateway.metrics import GatewayMetrics
 from gateway.router import EngineRouter
@@ -65,6 +66,7 @@ class GatewayServer:
             config.max_queued_requests,
             config.max_inflight_bytes,
             config.limits,
+            LoRARegistry(config.lora) if config.lora.enable_lora else None,
         )
         self.serving.images = ImageService.load(config, model_dir)
         self.serving.model_files = str(model_dir)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
@@ -36,9 +37,10 @@ from gateway.router import EngineRouter
 from gateway.tokenizer import Tokenizer
 from services.config import DEFAULT_MODEL, RequestLimits
 from services.step_types import ServerInfo
-from services.types import EngineCoreRequest
+from services.types import EngineCoreRequest, LoRARequest
 
 if TYPE_CHECKING:
+    from gateway.lora import LoRARegistry
     from gateway.media import ImageService
     from gateway.multimodal import PreparedImages
 
@@ -53,6 +55,7 @@ class ModelCard:
     created: int
     host_id: str = ""  # the worker's host (services.tensor_handles.host_id): shm handles
     runner: str = "generate"  # "pooling": /v1/embeddings only; else completions and chat
+    lora_request: LoRARequest | None = None  # the adapter `name` stands for; None: the base
 
 
 @dataclass
@@ -65,6 +68,7 @@ class GenerateJob:
     prompt_logprobs: bool = False  # echo with logprobs: ask for prompt logprobs too
     arrival_time: float = field(default_factory=time.time)
     images: PreparedImages | None = None  # the prompt's image handles, owned by the job
+    lora_request: LoRARequest | None = None  # the adapter the request's model names
 
     def release(self) -> None:
         """Free the job's image memory (unlink shm segments); once the request ended."""
@@ -93,6 +97,7 @@ class Serving:
         max_in_flight: int = 1024,
         max_inflight_bytes: int = 256 << 20,
         limits: RequestLimits | None = None,
+        loras: LoRARegistry | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -106,6 +111,7 @@ class Serving:
         self.images: ImageService | None = None  # set for a vision-language model
         self.model_files = DEFAULT_MODEL  # the model's directory (pooling config, embeddings)
         self._card: ModelCard | None = None
+        self.loras = loras  # served LoRA adapters (--enable-lora); None: none
 
     # -- model and admission ---------------------------------------------------------------
 
@@ -121,8 +127,12 @@ class Serving:
         return self._card
 
     async def check_model(self, model: str | None) -> ModelCard:
-        """The card when `model` names the served model (or is empty); 404 otherwise."""
+        """The card when `model` names the served model (or is empty) or one of its LoRA
+        adapters (then the card carries the adapter); 404 otherwise."""
         card = await self.model_card()
+        lora = self.loras.get(model) if self.loras is not None else None
+        if lora is not None:
+            return dataclasses.replace(card, name=lora.lora_name, lora_request=lora)
         if model and model != card.name:
             raise ModelNotFound(
                 f"The model '{model}' does not exist; this server serves '{card.name}'.", "model"
@@ -247,6 +257,7 @@ class Serving:
             arrival_time=job.arrival_time,
             priority=job.options.priority,
             mm_inputs=job.images.mm_inputs if job.images is not None else [],
+            lora_request=job.lora_request,
         )
         return index, request
 

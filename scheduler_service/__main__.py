@@ -16,6 +16,7 @@ from scheduler_service.worker_client import GrpcWorkerClient
 from services.config import CacheConfig, SchedulerConfig, SpeculativeConfig, add_speculative_arg
 from services.grpc_utils import health_status, set_internal_security
 from services.log import setup_logging
+from services.lora_config import add_lora_args, lora_from_args
 from services.security import add_security_args, security_from_args
 
 log = logging.getLogger("scheduler_service")
@@ -88,6 +89,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")  # fmt: skip
     add_speculative_arg(p)
     add_security_args(p)
+    add_lora_args(p)
     return p.parse_args(argv)
 
 
@@ -102,6 +104,7 @@ def configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:
         async_scheduling=not args.no_async_scheduling,
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
+        lora=lora_from_args(args),
     )
     cache_config = CacheConfig(
         enable_prefix_caching=not args.no_prefix_caching, num_blocks_override=args.num_blocks

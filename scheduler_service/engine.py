@@ -143,6 +143,8 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         self._check_options(request)
         self._check_runner(request)
+        if request.lora_request is not None and not self.scheduler_config.lora.enable_lora:
+            raise ValueError("LoRA adapters are not enabled (start with --enable-lora)")
         pooled = request.pooling_params is not None
         min_output = 0 if pooled else max(1, request.sampling_params.min_tokens)
         if len(prompt) + min_output > self.max_model_len:

@@ -8,6 +8,7 @@ import time
 from services.types import (
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     MultiModalInput,
     PoolingParams,
     RequestTimestamps,
@@ -63,6 +64,7 @@ class Request:
         "block_ids",
         "cache_salt",
         "error",
+        "lora_request",
         "max_tokens",
         "mm_inputs",
         "num_cached_tokens",
@@ -95,6 +97,7 @@ class Request:
         cache_salt: str = "",
         mm_inputs: list[MultiModalInput] | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -112,6 +115,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.mm_inputs: list[MultiModalInput] = list(mm_inputs or ())
+        self.lora_request = lora_request  # None: the base model
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Async scheduling: tokens scheduled in steps whose output has not been committed,
@@ -140,7 +144,13 @@ class Request:
             cache_salt=req.cache_salt,
             mm_inputs=req.mm_inputs,
             pooling_params=req.pooling_params,
+            lora_request=req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -75,4 +75,5 @@ class StepPlan:
             mm_inputs=request.mm_inputs,
             resumed_from_preemption=request.request_id in self.resumed,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from services.lora_config import LoRAConfig
 from services.types import MAX_LOGPROBS, MAX_N
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # gateway.reasoning
@@ -262,6 +263,8 @@ class SchedulerConfig:
     # Speculative decoding: the scheduler schedules the drafts the workers propose. On, steps
     # run synchronously (a step's drafts depend on the output of the step before).
     speculative_config: SpeculativeConfig | None = None
+    # Multi-LoRA: at most lora.max_loras distinct adapters in the running batch.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def encoder_budget(self) -> int:
@@ -320,6 +323,8 @@ class WorkerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Speculative decoding: how drafts are proposed after sampling; None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Multi-LoRA: adapter slots and the largest rank.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -329,6 +334,10 @@ class WorkerConfig:
         _require(self.num_threads >= 0, "num_threads must be >= 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(
+            not (self.lora.enable_lora and self.parallel.tensor_parallel_size > 1),
+            "LoRA with tensor_parallel_size > 1 is not supported yet",
+        )
 
 
 ROUTINGS = ("affinity", "round-robin")  # how a gateway spreads requests over engine replicas
@@ -431,6 +440,8 @@ class GatewayConfig:
     # Tool-call format of tool_choice "auto": one of TOOL_CALL_PARSERS; "auto" picks it from
     # the tokenizer (gateway.tool_parsers.detect).
     tool_call_parser: str = "auto"
+    # Multi-LoRA: the adapters "model" may name, runtime load/unload.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def scheduler_addresses(self) -> tuple[str, ...]:

@@ -270,6 +270,7 @@ PAIRS: list[tuple[type, type[Message]]] = [
     (dt.StructuredOutputParams, engine_pb2.StructuredOutputParams),
     (dt.TensorHandle, tensor_pb2.TensorHandle),
     (dt.MultiModalInput, engine_pb2.MultiModalInput),
+    (dt.LoRARequest, engine_pb2.LoRARequest),
     (dt.EngineCoreRequest, engine_pb2.EngineCoreRequest),
     (dt.EngineCoreOutput, engine_pb2.EngineCoreOutput),
     (step_types.SchedulerOutput, worker_pb2.SchedulerOutput),

@@ -5,7 +5,8 @@ The hash of block i covers everything that decides its KV: the hash of block
 i-1 (so equal hashes mean equal whole prefixes), the block's token ids, and
 extra keys — the content hashes of multimodal items whose placeholder tokens
 overlap the block (the same placeholder ids can stand for different images),
-and the request's cache_salt on the first block (tenants never share).
+the request's cache_salt on the first block (tenants never share), and its LoRA
+adapter on the first block (the chain carries it on: different adapters never share KV).
 
 SHA-256 over a compact byte encoding: stable across processes (a gateway may
 route by it) and collision-safe, at about a microsecond per block.
@@ -18,7 +19,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from services.types import MultiModalInput
+from services.types import LoRARequest, MultiModalInput
 
 ROOT_HASH = b"tessera-prefix-v1"
 
@@ -41,11 +42,24 @@ def _packer(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q")
 
 
+def lora_key(lora_request: LoRARequest | None) -> str:
+    """The prefix-hash key of a request's adapter; empty for the base model."""
+    if lora_request is None:
+        return ""
+    return f"{lora_request.lora_int_id}:{lora_request.lora_name}"
+
+
 def block_extra_keys(
-    start: int, end: int, mm_inputs: Sequence[MultiModalInput], cache_salt: str
+    start: int,
+    end: int,
+    mm_inputs: Sequence[MultiModalInput],
+    cache_salt: str,
+    lora: str = "",
 ) -> tuple[str, ...]:
     """Extra hash keys of the block holding tokens [start, end)."""
     keys = [f"salt:{cache_salt}"] if start == 0 and cache_salt else []
+    if start == 0 and lora:
+        keys.append(f"lora:{lora}")
     for item in mm_inputs:
         if item.offset < end and item.offset + item.length > start:
             keys.append(f"mm:{item.content_hash}")
@@ -58,6 +72,7 @@ def extend_block_hashes(
     block_size: int,
     mm_inputs: Sequence[MultiModalInput] = (),
     cache_salt: str = "",
+    lora: str = "",
     max_blocks: int | None = None,
 ) -> list[bytes]:
     """Append to `hashes` the hash of every further full block of `token_ids` (at most
@@ -69,8 +84,8 @@ def extend_block_hashes(
         i = len(hashes)
         start, end = i * block_size, (i + 1) * block_size
         extra = (
-            block_extra_keys(start, end, mm_inputs, cache_salt)
-            if mm_inputs or (i == 0 and cache_salt)
+            block_extra_keys(start, end, mm_inputs, cache_salt, lora)
+            if mm_inputs or (i == 0 and (cache_salt or lora))
             else ()
         )
         parent = hashes[-1] if hashes else ROOT_HASH

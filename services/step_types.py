@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.types import MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs
+from services.types import (
+    LoRARequest,
+    MultiModalInput,
+    PoolingParams,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 @dataclass(slots=True)
@@ -23,6 +29,7 @@ class NewRequestData:
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     resumed_from_preemption: bool = False
     pooling_params: PoolingParams | None = None  # an embedding request: pooled, not sampled
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 @dataclass(slots=True)

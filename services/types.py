@@ -173,6 +173,35 @@ class MultiModalInput:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter a request runs with: vLLM's `LoRARequest(lora_name, lora_int_id,
+    lora_path)`. `lora_int_id` (> 0) is the workers' cache key, unique per adapter."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.lora_name:
+            raise ValueError("a LoRARequest needs a lora_name")
+        if type(self.lora_int_id) is not int or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, not {self.lora_int_id!r}")
+
+    @property
+    def adapter_id(self) -> int:
+        """vLLM's alias of lora_int_id."""
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
+@dataclass(frozen=True, slots=True)
 class EngineCoreRequest:
     """A tokenized request, as the gateway sends it to the scheduler."""
 
@@ -184,6 +213,7 @@ class EngineCoreRequest:
     cache_salt: str = ""
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # set: an embedding request (prefill only)
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from services.types import (
+    LoRARequest,
     PoolingParams,
     SamplingParams,
     StructuredOutputParams,
@@ -21,6 +22,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestOutput",

@@ -18,6 +18,7 @@ from gateway.options import (
 from services.config import SpeculativeConfig, add_speculative_arg
 from services.default_model import served_name
 from services.hub import add_hub_args, hub_from_args, is_hub_id, resolve_hub_model
+from services.lora_config import add_lora_args, lora_flags
 from services.pooling import add_runner_args, runner_from_args
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
@@ -99,6 +100,7 @@ def _serve_parser(
     add_chat_args(p)
     p.add_argument("--log-level", default="INFO")
     add_data_parallel_args(p)
+    add_lora_args(p)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="worker ranks the model is split over"
     )
@@ -126,6 +128,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
     common = ["--log-level", args.log_level]
     model, name = _model_source(args)
+    lora = lora_flags(args)  # every service takes them
     env = {TOKEN_ENV: token}
     services: list[Service] = []
     for replica in replicas:
@@ -141,13 +144,13 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,
             "--runner", runner_from_args(args),
             *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
-            *spec_flags,
+            *spec_flags, *lora,
         ]  # fmt: skip
         scheduler = [
             py, "-m", "scheduler_service", "--worker", worker_addr, "--host", replica.scheduler_host,
             "--port", str(replica.scheduler_port), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
-            *(["--no-prefix-caching"] if args.no_prefix_caching else []), *spec_flags,
+            *(["--no-prefix-caching"] if args.no_prefix_caching else []), *spec_flags, *lora,
         ]  # fmt: skip
         services += [
             Service(f"worker{replica.suffix}", worker, grpc_up(worker_addr),
@@ -163,7 +166,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         "--max-queued-requests", str(args.max_queued_requests),
         "--drain-timeout", str(args.drain_timeout), *limit_flags(args), *media_flags(args),
         *chat_flags(args),
-        *common,
+        *common, *lora,
     ]  # fmt: skip
     probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     health = f"http://{probe_host}:{args.port}/health"
@@ -229,6 +232,7 @@ BENCHMARKS = {
     "dp": "dp_bench",
     "multimodal": "multimodal_bench",
     "spec": "spec_decode",
+    "lora": "lora_bench",
 }
 
 

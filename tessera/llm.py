@@ -22,6 +22,7 @@ from services.config import (
     DEFAULT_MODEL,
     CacheConfig,
     HubConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -37,6 +38,7 @@ from services.types import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     MultiModalInput,
     PoolingParams,
     SamplingParams,
@@ -109,6 +111,10 @@ class LLM:
         runner: str | None = None,
         task: str | None = None,
         speculative_config: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int = 0,
     ) -> None:
         """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`;
         `speculative_config`: vLLM's dict, e.g. {"method": "ngram",
@@ -122,6 +128,7 @@ class LLM:
         self.runner = resolve_runner(runner, task)
         spec = SpeculativeConfig.parse(speculative_config)
 
+        lora = LoRAConfig(enable_lora, max_loras, max_lora_rank, max_cpu_loras)
         cache = CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
@@ -145,12 +152,14 @@ class LLM:
                 enable_expert_parallel=enable_expert_parallel,
             ),
             speculative_config=spec,
+            lora=lora,
         )
         self.worker = Worker(worker_config)  # tensor parallel: starts ranks 1..N-1
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             speculative_config=spec,
+            lora=lora,
         )
         self.engine = EngineCore(scheduler, cache, [self.worker])
         self.tokenizer = Tokenizer.load(model_dir)
@@ -166,21 +175,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs keep the prompts' order.
 
         A prompt is text, token ids, {"prompt": str} or {"prompt_token_ids": [...]}
         (vLLM's forms), one or a list. All are checked before any is queued.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt.
         """
         parsed = parse_prompts(prompts, self.tokenizer.encode)
         params = _per_prompt(sampling_params, len(parsed))
+        loras = _loras_per_prompt(lora_request, len(parsed))
         texts = [p.text for p in parsed]
         with _Images() as images:
             for p in parsed:
                 images.add(self._with_images(p.text or "", list(p.images), True), p.token_ids)
             for i, prompt_ids in enumerate(images.ids):
-                self._check(prompt_ids, params[i], i)
-            return self._run(images.ids, texts, params, use_tqdm, images.mm_inputs)
+                self._check(prompt_ids, params[i], i, lora=loras[i])
+            return self._run(images.ids, texts, params, use_tqdm, images.mm_inputs, loras)
 
     def embed(
         self,
@@ -250,10 +262,13 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool | None,
         mm_inputs: list[list[MultiModalInput]] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         mm = mm_inputs or [[] for _ in prompt_ids]
+        adapters = loras or [None] * len(prompt_ids)
         request_ids = [
-            self._add(ids, p, items) for ids, p, items in zip(prompt_ids, params, mm, strict=True)
+            self._add(ids, p, items, lora=lora)
+            for ids, p, items, lora in zip(prompt_ids, params, mm, adapters, strict=True)
         ]
         pending = self._drain(request_ids, use_tqdm, "generating")
         return [
@@ -279,10 +294,13 @@ class LLM:
         params: SamplingParams,
         index: int,
         pooling: PoolingParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         """The engine's own validation, before anything is queued; names the prompt."""
         try:
-            request = EngineCoreRequest(str(index), prompt_ids, params, pooling_params=pooling)
+            request = EngineCoreRequest(
+                str(index), prompt_ids, params, pooling_params=pooling, lora_request=lora
+            )
             self.engine.validate(request)
         except ValueError as exc:
             raise ValueError(f"prompt {index}: {exc}") from None
@@ -293,6 +311,7 @@ class LLM:
         params: SamplingParams,
         mm_inputs: list[MultiModalInput],
         pooling: PoolingParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> str:
         request_id = str(self._next_id)
         self._next_id += 1
@@ -304,6 +323,7 @@ class LLM:
                 arrival_time=time.time(),
                 mm_inputs=mm_inputs,
                 pooling_params=pooling,
+                lora_request=lora,
             )
         )
         return request_id
@@ -378,6 +398,14 @@ def _collect(pending: _Pending, out: EngineCoreOutput) -> int:
     pending.prompt_logprobs.extend(out.prompt_logprobs)
     pending.last = out
     return 1 if out.finished else 0
+
+
+def _loras_per_prompt(lora: Any, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora requests for {n} prompts")
+    return list(lora)
 
 
 def _per_prompt(params: Any, n: int, kind: type = SamplingParams) -> list[Any]:

@@ -30,9 +30,17 @@ def hf_greedy(
 ) -> list[list[int]]:
     """Greedy continuations by HF `generate`, one prompt at a time (no padding), never stopping
     at EOS: exactly `max_new_tokens` tokens per prompt."""
+    return hf_greedy_with(
+        hf_model(model_dir, dtype, attn_implementation), prompt_ids_list, max_new_tokens
+    )
+
+
+def hf_greedy_with(
+    model: Any, prompt_ids_list: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """`hf_greedy` over a model already built (a PEFT `PeftModel`, say)."""
     from transformers import GenerationConfig
 
-    model = hf_model(model_dir, dtype, attn_implementation)
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,

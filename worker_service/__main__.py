@@ -19,6 +19,7 @@ from services.config import (
 from services.grpc_utils import set_internal_security
 from services.hub import add_hub_args, hub_from_args
 from services.log import setup_logging
+from services.lora_config import add_lora_args, lora_from_args
 from services.pooling import add_runner_args, runner_from_args
 from services.security import add_security_args, security_from_args
 from worker_service.cpu_kernels import add_kernel_args
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_speculative_arg(p)
     add_security_args(p)
     add_parallel_args(p)
+    add_lora_args(p)
     return p.parse_args(argv)
 
 
@@ -125,6 +127,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             enable_expert_parallel=args.enable_expert_parallel,
         ),
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
+        lora=lora_from_args(args),
     )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from services.step_types import CachedRequestData, NewRequestData
-from services.types import PoolingParams, SamplingParams
+from services.types import LoRARequest, PoolingParams, SamplingParams
 from worker_service.attention.base import AttentionMetadata
 
 
@@ -34,6 +34,11 @@ class RequestState:
     pooling: PoolingParams | None = None  # an embedding request: pooled, never sampled
     pooled: Any = None  # its running pool over the chunks so far (worker_service.pooler)
     num_drafts: int = 0  # draft tokens written after num_tokens for this step (spec decoding)
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_outputs(self) -> int:
@@ -89,6 +94,7 @@ class InputBatch:
             len(new.block_ids),
             new.sampling_params,
             new.resumed_from_preemption and bool(new.output_token_ids),  # prefill was complete
+            lora=new.lora_request,
         )
         if new.pooling_params is not None:
             state.pooling = new.pooling_params

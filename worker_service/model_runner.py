@@ -34,6 +34,7 @@ from worker_service.cpu_kernels import KernelChoice, choose_kernels, read_cpu_in
 from worker_service.draft_model import DraftModelProposer
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.loader import load_model
+from worker_service.lora.manager import LoRAManager
 from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
 from worker_service.multimodal import MultiModalInputs
@@ -80,6 +81,7 @@ class ModelRunner:
         self.mm = MultiModalInputs(self.model, self.input_batch)
         pooling = config.model.runner == "pooling"
         self.pooler = Pooler(read_pooler_config(model_dir) if pooling else None)
+        self.lora = self._lora_manager()
         self.num_blocks = 0
         self.proposer, self.draft = self._proposer(config.speculative_config)
 
@@ -104,6 +106,14 @@ class ModelRunner:
     def kv_spec(self) -> KVCacheSpec:
         """What one block costs on this worker: the target's pool, and the draft's."""
         return self.spec if self.draft is None else self.draft.combined(self.spec)
+
+    def _lora_manager(self) -> LoRAManager | None:
+        """Adapter slots wired into the model when LoRA is on (tensor parallel refuses it)."""
+        if not self.config.lora.enable_lora:
+            return None
+        if self.tp.size > 1:
+            raise ValueError("LoRA with tensor parallelism is not supported yet")
+        return LoRAManager(self.model, self.config.lora, self.device, self.dtype)
 
     def _use_cpu_kernels(self, choice: KernelChoice) -> None:
         """Apply the GEMM and attention choice for a bf16 model on CPU, and log it."""
@@ -170,6 +180,8 @@ class ModelRunner:
             return out
         step = self.input_batch.prepare(order, counts, self.device, has_drafts)
         self.tp.send_step(step.input_ids, step.positions, step.meta)  # ranks 1..N-1 run it too
+        if self.lora is not None:
+            self.lora.set_step(step.states, counts)
         t1 = time.perf_counter()
         with torch.inference_mode(), forward_context(step.meta):
             embeds = self.mm.input_embeds(step)  # None without images in this step
@@ -206,6 +218,7 @@ class ModelRunner:
                 state = self.input_batch.add(new)
                 if new.pooling_params is not None:
                     self.pooler.check(state)
+                self._attach_lora(state)
                 self.structured.attach(state, new.output_token_ids)
                 self.mm.add(new.request_id, new.mm_inputs, new.num_computed_tokens)
             except ValueError as exc:
@@ -244,10 +257,19 @@ class ModelRunner:
         with torch.inference_mode():
             out.draft_token_ids = self.proposer.propose(states, self.input_batch)
 
+    def _attach_lora(self, state: RequestState) -> None:
+        """Load the request's adapter (host memory) now: a bad one fails only this request."""
+        if state.lora is None:
+            return
+        if self.lora is None:
+            raise ValueError("this worker was started without LoRA (--enable-lora)")
+        self.lora.add_adapter(state.lora)
+
     def _schedule_order(
         self, so: SchedulerOutput, errors: dict[str, str]
     ) -> tuple[list[RequestState], list[int]]:
-        """Scheduled requests, decodes first (the attention backend batches them)."""
+        """Scheduled requests, decodes first (the attention backend batches them), each
+        group ordered by LoRA adapter (one contiguous token segment per adapter)."""
         items: list[tuple[RequestState, int]] = []
         for req_id, n in so.num_scheduled_tokens.items():
             if req_id in errors:
@@ -262,7 +284,10 @@ class ModelRunner:
                 self.input_batch.remove(req_id)
                 continue
             items.append((state, n))
-        items.sort(key=lambda item: item[1] != 1)
+        if self.lora is None:
+            items.sort(key=lambda item: item[1] != 1)
+        else:
+            items.sort(key=lambda item: (item[1] != 1, item[0].lora_id))
         return [s for s, _ in items], [n for _, n in items]
 
     def _sample_into(

@@ -28,6 +28,7 @@ from services.types import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    LoRARequest,
     MultiModalInput,
     PoolingParams,
     RequestTimestamps,
@@ -78,6 +79,7 @@ CUDA = TensorHandle(
 SHM = TensorHandle(dtype="uint8", shape=(2, 2), shared_memory=SharedMemoryLocation("psm_1", 64, 4))
 INLINE = TensorHandle(dtype="float32", shape=(1,), inline_bytes=b"\x00\x00\x80?")
 MM = MultiModalInput(modality="image", offset=3, length=64, content_hash="abc", tensor=CUDA)
+LORA = LoRARequest("sql", 3, "/adapters/sql")
 
 CASES: list[Any] = [
     PARAMS,
@@ -85,6 +87,7 @@ CASES: list[Any] = [
     SHM,
     INLINE,
     MM,
+    LORA,
     EngineCoreRequest(
         request_id="r1",
         prompt_token_ids=[1, 2, 3],
@@ -94,6 +97,7 @@ CASES: list[Any] = [
         cache_salt="tenant-a",
         mm_inputs=[MM],
         pooling_params=PoolingParams(dimensions=32, normalize=False),
+        lora_request=LORA,
     ),
     EngineCoreOutput(
         request_id="r1",
@@ -120,6 +124,7 @@ CASES: list[Any] = [
                 mm_inputs=[MM],
                 resumed_from_preemption=True,
                 pooling_params=PoolingParams(dimensions=8, normalize=True),
+                lora_request=LORA,
             )
         ],
         scheduled_cached_reqs=[

@@ -1,0 +1,1 @@
+"""vLLM's `vllm.lora` names: `from tessera.lora.request import LoRARequest`."""
