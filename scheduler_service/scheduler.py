@@ -29,6 +29,7 @@ from collections.abc import Iterable
 
 from scheduler_service.encoder_budget import fit_encoder_budget
 from scheduler_service.kv_cache_manager import KVCacheManager
+from scheduler_service.lora_admission import lora_fits, running_loras
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.request_queue import make_queue
 from scheduler_service.spec_decode import SpecDecodeStats, SpeculativeScheduling
@@ -181,27 +182,13 @@ class Scheduler(SpeculativeScheduling):
             self._preempted_ids.append(request.request_id)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        loras = self._running_loras() if self.config.lora.enable_lora else None
+        loras = running_loras(self.running) if self.config.lora.enable_lora else None
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if loras is not None and not self._lora_fits(request, loras):
+            if loras is not None and not lora_fits(request, loras, self.config.lora.max_loras):
                 break  # its adapter waits for a slot: at most max_loras adapters run at once
             if not self._admit(request, plan):
                 break
-
-    def _running_loras(self) -> set[int]:
-        return {r.lora_int_id for r in self.running if r.lora_request is not None}
-
-    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
-        """Whether `request` may join the running batch under max_loras (vLLM's rule); when
-        it may, its adapter is counted in `loras`."""
-        lora_id = request.lora_int_id
-        if not lora_id or lora_id in loras:
-            return True
-        if len(loras) >= self.config.lora.max_loras:
-            return False
-        loras.add(lora_id)
-        return True
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Move the head of the queue into the running set if its first chunk fits."""
