@@ -153,6 +153,7 @@ class InputBatch:
             max_seq_len=max_seq,
             query_lens_cpu=sched.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            prompt_lens_cpu=[s.prompt_len for s in order],
         )
         sample = [i for i, s in enumerate(order) if seq_lens[i] == s.num_tokens]
         return StepBatch(

@@ -9,7 +9,7 @@ tokens of all requests are concatenated along dim 0, request by request.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class AttentionMetadata:
     # Host copies of query lengths and seq lens, for backends that loop or bucket on the CPU.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Host copy of each request's prompt length (rope types that depend on it: dynamic,
+    # longrope); empty when the step's builder does not know them.
+    prompt_lens_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

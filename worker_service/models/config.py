@@ -7,17 +7,54 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# Keys of an HF rope dict that some rope type reads; any other key is refused.
+ROPE_KEYS = frozenset(
+    {"rope_theta", "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor"}
+    | {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow"}
+    | {"mscale", "mscale_all_dim", "truncate", "short_factor", "long_factor"}
+    | {"partial_rotary_factor"}
+)
+
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters (HF `rope_parameters` / `rope_scaling`)."""
+    """Rotary embedding parameters (HF `rope_parameters` / `rope_scaling`), with HF's defaults
+    (transformers' modeling_rope_utils); worker_service.models.rope computes the frequencies."""
 
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "llama3"
+    rope_type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope
+    max_position_embeddings: int = 2048  # the model's; dynamic and longrope read it
+    attention_factor: float | None = None  # yarn, longrope: cos/sin scale (None: from factor)
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] = ()  # longrope, one per rotary frequency
+    long_factor: tuple[float, ...] = ()  # longrope
+    partial_rotary_factor: float = 1.0  # the first int(head_dim * this) dims rotate
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+            )
+        if self.rope_type in ("linear", "dynamic") and self.factor < 1.0:
+            raise ValueError(f"rope_scaling factor must be >= 1 for {self.rope_type}")
+        if self.rope_type == "longrope" and not (self.short_factor and self.long_factor):
+            raise ValueError("longrope rope_scaling needs short_factor and long_factor")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError("partial_rotary_factor must be in (0, 1]")
+
+    @property
+    def length_dependent(self) -> bool:
+        """True when a token's frequencies depend on its sequence's length (dynamic, longrope)."""
+        return self.rope_type in ("dynamic", "longrope")
 
 
 @dataclass(frozen=True)
@@ -41,6 +78,18 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def max_positions(self) -> int:
+        """Longest sequence served: max_position_embeddings, stretched by a linear, dynamic or
+        yarn rope factor (yarn: of the pretraining length), as vLLM derives max_model_len."""
+        rope = self.rope
+        if rope.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * rope.factor)
+        if rope.rope_type == "yarn":
+            stretched = int(rope.original_max_position_embeddings * rope.factor)
+            return max(self.max_position_embeddings, stretched)
+        return self.max_position_embeddings
+
 
 def _ids(value: Any) -> list[int]:
     if value is None:
@@ -48,15 +97,42 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _rope(cfg: dict[str, Any]) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConfig:
+    """RopeConfig of an HF config (or of one of its per-layer-type rope dicts, `params`);
+    ValueError naming any key or type this server does not implement."""
+    if params is None:
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    unknown = sorted(set(params) - ROPE_KEYS)
+    if unknown:
+        raise ValueError(f"unsupported rope_scaling key(s) {unknown} in config.json")
     rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    extra = {k: params[k] for k in keys if k in params and rope_type == "llama3"}
-    return RopeConfig(theta=theta, rope_type=rope_type, **extra)
+    if rope_type in ("su", "yarn") and cfg.get("model_type") == "phi3":
+        rope_type = "longrope"  # Phi-3's old names, as transformers reads them
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    # Phi-3 keeps the pretraining length outside the rope dict; it wins there (as in HF)
+    original = cfg.get("original_max_position_embeddings")
+    original = original or params.get("original_max_position_embeddings") or max_pos
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    values: dict[str, Any] = {
+        "theta": float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        "rope_type": rope_type,
+        "original_max_position_embeddings": int(original),
+        "max_position_embeddings": max_pos,
+        "partial_rotary_factor": float(prf if prf is not None else 1.0),
+        "truncate": bool(params.get("truncate", True)),
+    }
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
+        values["factor"] = max_pos / int(original)  # HF's default: the stretch of the context
+    floats: tuple[str, ...] = ("factor", "low_freq_factor", "high_freq_factor", "mscale")
+    floats += ("attention_factor", "mscale_all_dim")
+    values.update({k: float(params[k]) for k in floats if params.get(k) is not None})
+    for key in ("beta_fast", "beta_slow"):  # HF: `or` default, so 0 means the default too
+        if params.get(key):
+            values[key] = float(params[key])
+    for key in ("short_factor", "long_factor"):
+        if params.get(key):
+            values[key] = tuple(float(v) for v in params[key])
+    return RopeConfig(**values)
 
 
 def read_model_config(model_dir: Path) -> ModelArchConfig:

@@ -68,7 +68,7 @@ class PagedAttention(nn.Module):
                 ],
                 dim=1,
             )
-        if self.ops is not None:
+        if self.ops is not None and 2 * cis[0].shape[-1] == self.head_dim:  # full rotary
             self.ops.rope_(qk, *cis)  # in place, inside the qkv output
         else:
             qk = RotaryEmbedding.rotate(qk, cis)  # [n, heads + kv_heads, head_dim]
@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, backend, self.tp) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one Parameter, as HF ties them
