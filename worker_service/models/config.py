@@ -76,6 +76,9 @@ class ModelArchConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     eos_token_ids: tuple[int, ...] = ()
+    # Attention/MLP features the config switches on beyond the Llama baseline (see
+    # attention_features); a model class serves only those it declares.
+    features: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -162,8 +165,39 @@ def read_model_config(model_dir: Path) -> ModelArchConfig:
         rope=_rope(cfg),
         attention_bias=bool(cfg.get("attention_bias", False)),
         eos_token_ids=tuple(eos),
+        features=attention_features(cfg),
         raw=raw,
     )
+
+
+def _sliding(cfg: dict[str, Any]) -> bool:
+    window = cfg.get("sliding_window")
+    if window is None or not cfg.get("use_sliding_window", True):
+        return False
+    if int(window) >= int(cfg.get("max_position_embeddings", 2048)):
+        return False  # a window as long as any sequence excludes nothing
+    types = cfg.get("layer_types")
+    return types is None or "sliding_attention" in types
+
+
+# feature name (the config field) -> whether the config switches it on
+_FEATURE_TESTS = {
+    "sliding_window": _sliding,
+    "layer_types": lambda c: any(
+        t not in ("full_attention", "sliding_attention") for t in c.get("layer_types") or []
+    ),
+    "attn_logit_softcapping": lambda c: c.get("attn_logit_softcapping") is not None,
+    "final_logit_softcapping": lambda c: c.get("final_logit_softcapping") is not None,
+    "attention_chunk_size": lambda c: c.get("attention_chunk_size") is not None,
+    "mlp_bias": lambda c: bool(c.get("mlp_bias")),
+    "hidden_act": lambda c: c.get("hidden_act", "silu") != "silu",
+    "no_rope_layers": lambda c: not all(c.get("no_rope_layers") or [1]),
+}
+
+
+def attention_features(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """The features of `cfg` (an HF text config) beyond a plain Llama decoder."""
+    return tuple(name for name, test in _FEATURE_TESTS.items() if test(cfg))
 
 
 _ARCH_BY_TYPE = {
@@ -171,4 +205,6 @@ _ARCH_BY_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }

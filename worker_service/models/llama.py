@@ -110,6 +110,7 @@ class LlamaForCausalLM(nn.Module):
     the LM head are replicated (see worker_service.parallel)."""
 
     splits_for_tp = True  # False: parts no rank splits (a vision tower) refuse tp > 1
+    supported_features: tuple[str, ...] = ()  # config features served (config.attention_features)
 
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
@@ -135,6 +136,10 @@ class LlamaForCausalLM(nn.Module):
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
         """Architecture-specific options (subclasses switch on bias / q-k norm)."""
         return cfg
+
+    def split_checkpoint(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Checkpoint tensor -> the (name, tensor) pieces the loader places (one, here)."""
+        return [(name, tensor)]
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn for layer in self.layers if isinstance(layer, DecoderLayer)]

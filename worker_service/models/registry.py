@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from worker_service.models.config import ModelArchConfig
+from worker_service.models.dense import Phi3ForCausalLM, SmolLM3ForCausalLM
 from worker_service.models.idefics3 import Idefics3ForConditionalGeneration
 from worker_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from worker_service.models.llava import LlavaForConditionalGeneration
@@ -11,9 +13,22 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
+
+
+def check_features(cls: type[LlamaForCausalLM], cfg: ModelArchConfig) -> None:
+    """ValueError naming each config feature (config.json field) `cls` does not implement:
+    a model is refused rather than served with the feature silently ignored."""
+    missing = [f for f in cfg.features if f not in cls.supported_features]
+    if missing:
+        raise ValueError(
+            f"{cfg.architecture}: config.json sets {', '.join(missing)}, which this server does "
+            "not implement for this architecture (refusing rather than ignoring it)"
+        )
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:
