@@ -79,6 +79,8 @@ class ModelArchConfig:
     # Attention/MLP features the config switches on beyond the Llama baseline (see
     # attention_features); a model class serves only those it declares.
     features: tuple[str, ...] = ()
+    # Per layer: its sliding attention window (0: full attention); empty without windows.
+    sliding_windows: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -166,6 +168,7 @@ def read_model_config(model_dir: Path) -> ModelArchConfig:
         attention_bias=bool(cfg.get("attention_bias", False)),
         eos_token_ids=tuple(eos),
         features=attention_features(cfg),
+        sliding_windows=layer_windows(cfg),
         raw=raw,
     )
 
@@ -193,6 +196,21 @@ _FEATURE_TESTS = {
     "hidden_act": lambda c: c.get("hidden_act", "silu") != "silu",
     "no_rope_layers": lambda c: not all(c.get("no_rope_layers") or [1]),
 }
+
+
+def layer_windows(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window as HF applies it (0: full attention), () when none is:
+    `layer_types` where given, else Qwen2's max_window_layers rule, else every layer."""
+    if not _sliding(cfg):
+        return ()
+    window, layers = int(cfg["sliding_window"]), int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("model_type") == "qwen2":  # layers from max_window_layers on
+        first = int(cfg.get("max_window_layers", layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None:
+        return (window,) * layers
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 def attention_features(cfg: dict[str, Any]) -> tuple[str, ...]:

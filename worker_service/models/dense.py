@@ -1,5 +1,6 @@
-"""Dense decoders that are Llama plus a detail: Phi-3 / Phi-4-mini (fused checkpoint
-projections, longrope, partial rotary) and SmolLM3 (NoPE layers)."""
+"""Dense decoders that are Llama plus a detail: Mistral (sliding window), Phi-3 /
+Phi-4-mini (fused checkpoint projections, longrope, partial rotary, sliding window) and
+SmolLM3 (NoPE layers)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     rank's rows of each under tensor parallelism). Rope (longrope, partial_rotary_factor)
     comes from config.RopeConfig."""
 
-    supported_features: tuple[str, ...] = ()
+    supported_features: tuple[str, ...] = ("sliding_window",)
 
     def split_checkpoint(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         prefix, _, leaf = name.rpartition(".")
@@ -40,6 +41,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 "up_proj": tensor[inter + s.mlp_start : inter + s.mlp_end],
             }
         return [(f"{prefix}.{part}.{leaf}", piece) for part, piece in pieces.items()]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding window on every layer (`sliding_window`, when set)."""
+
+    supported_features: tuple[str, ...] = ("sliding_window",)
 
 
 class NoPEDecoderLayer(DecoderLayer):

@@ -52,6 +52,7 @@ class PagedAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.sliding_window = 0  # this layer's window (0: full attention), set by the model
         self.backend = backend
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache = torch.empty(0)
@@ -76,7 +77,9 @@ class PagedAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         meta = get_attention_metadata()
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(
+            q, self.k_cache, self.v_cache, meta, self.scale, window=self.sliding_window
+        )
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -126,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, self.tp) for _ in range(cfg.num_layers)
         )
+        for layer, window in zip(self.layers, cfg.sliding_windows, strict=False):
+            layer.self_attn.sliding_window = window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -177,7 +182,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: Llama with biases on the q/k/v projections."""
+    """Qwen2: Llama with biases on the q/k/v projections (sliding windows on the layers from
+    max_window_layers on, with use_sliding_window)."""
+
+    supported_features: tuple[str, ...] = ("sliding_window",)
 
     @classmethod
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from worker_service.models.config import ModelArchConfig
-from worker_service.models.dense import Phi3ForCausalLM, SmolLM3ForCausalLM
+from worker_service.models.dense import (
+    MistralForCausalLM,
+    Phi3ForCausalLM,
+    SmolLM3ForCausalLM,
+)
 from worker_service.models.idefics3 import Idefics3ForConditionalGeneration
 from worker_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from worker_service.models.llava import LlavaForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
