@@ -80,6 +80,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_info.eos_token_ids,
             enable_prefix_caching=self.cache_config.enable_prefix_caching,
+            sliding_window=self.kv_spec.sliding_window,
         )
 
     def lose_workers(self, error: str) -> list[EngineCoreOutput]:

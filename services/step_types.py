@@ -111,6 +111,7 @@ class KVCacheSpec:
     dtype: str = ""
     block_size: int = 16
     bytes_per_block: int = 0
+    sliding_window: int = 0  # every layer's window is at most this (0: some layer is global)
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,8 +129,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, self.tp) for _ in range(cfg.num_layers)
         )
-        for layer, window in zip(self.layers, cfg.sliding_windows, strict=False):
-            layer.self_attn.sliding_window = window
+        for attn, window in zip(self.attention_layers(), cfg.sliding_windows, strict=False):
+            attn.sliding_window = window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
