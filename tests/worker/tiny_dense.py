@@ -72,25 +72,27 @@ def tessera_greedy(
     return [outputs[f"r{k}"] for k in range(len(prompts))], sched
 
 
-def hf_reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+def hf_reference(
+    path: Path, prompts: list[list[int]], attn_implementation: str = "sdpa"
+) -> list[list[int]]:
     """HF greedy outputs, each prompt from a fresh rotary state (HF's dynamic rope keeps the
     longest length it has seen between generate calls; a fresh model would not)."""
-    model = hf_model(path)
+    model = hf_model(path, "float32", attn_implementation)
     rotary = model.model.rotary_emb
     results = []
     for prompt in prompts:
         if hasattr(rotary, "original_inv_freq"):
             rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
             rotary.max_seq_len_cached = rotary.original_max_seq_len
-        results += hf_greedy(path, [prompt], NEW_TOKENS, "float32")
+        results += hf_greedy(path, [prompt], NEW_TOKENS, "float32", attn_implementation)
     return results
 
 
-def assert_parity(path: Path, budget: int) -> MiniScheduler:
+def assert_parity(path: Path, budget: int, attn_implementation: str = "sdpa") -> MiniScheduler:
     """Tessera greedy == HF greedy on the eight prompts; returns the driver (its stats)."""
     prompts = eight_prompts()
     got, sched = tessera_greedy(path, prompts, budget)
-    expected = hf_reference(path, prompts)
+    expected = hf_reference(path, prompts, attn_implementation)
     for k, (g, e) in enumerate(zip(got, expected, strict=True)):
         first = next((i for i, (a, b) in enumerate(zip(g, e, strict=True)) if a != b), None)
         assert g == e, f"prompt {k} ({len(prompts[k])} tokens) diverges at token {first}"

@@ -84,6 +84,11 @@ class ModelArchConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
+    def raw_text(self) -> dict[str, Any]:
+        """config.json with a VLM's text_config merged in (the language model's fields)."""
+        return {**self.raw, **self.raw.get("text_config", {})}
+
+    @property
     def max_positions(self) -> int:
         """Longest sequence served: max_position_embeddings, stretched by a linear, dynamic or
         yarn rope factor (yarn: of the pretraining length), as vLLM derives max_model_len."""
@@ -107,6 +112,8 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConf
     ValueError naming any key or type this server does not implement."""
     if params is None:
         params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+            params = dict(params.get("full_attention") or next(iter(params.values())))
     unknown = sorted(set(params) - ROPE_KEYS)
     if unknown:
         raise ValueError(f"unsupported rope_scaling key(s) {unknown} in config.json")
@@ -138,6 +145,18 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConf
         if params.get(key):
             values[key] = tuple(float(v) for v in params[key])
     return RopeConfig(**values)
+
+
+def layer_type_rope(cfg: ModelArchConfig, layer_type: str) -> RopeConfig:
+    """The rope of `layer_type` layers (Gemma 3's nested rope_parameters, or its older
+    rope_local_base_freq for sliding layers); the model's own rope otherwise."""
+    text = cfg.raw_text
+    nested = text.get("rope_parameters") or {}
+    if isinstance(nested.get(layer_type), dict):
+        return _rope(text, dict(nested[layer_type]))
+    if layer_type == "sliding_attention" and text.get("rope_local_base_freq") is not None:
+        return _rope(text, {"rope_type": "default", "rope_theta": text["rope_local_base_freq"]})
+    return cfg.rope
 
 
 def read_model_config(model_dir: Path) -> ModelArchConfig:
@@ -193,7 +212,8 @@ _FEATURE_TESTS = {
     "final_logit_softcapping": lambda c: c.get("final_logit_softcapping") is not None,
     "attention_chunk_size": lambda c: c.get("attention_chunk_size") is not None,
     "mlp_bias": lambda c: bool(c.get("mlp_bias")),
-    "hidden_act": lambda c: c.get("hidden_act", "silu") != "silu",
+    "hidden_act": lambda c: c.get("hidden_act") not in (None, "silu"),
+    "hidden_activation": lambda c: c.get("hidden_activation") not in (None, "gelu_pytorch_tanh"),
     "no_rope_layers": lambda c: not all(c.get("no_rope_layers") or [1]),
 }
 

@@ -8,6 +8,7 @@ from worker_service.models.dense import (
     Phi3ForCausalLM,
     SmolLM3ForCausalLM,
 )
+from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.idefics3 import Idefics3ForConditionalGeneration
 from worker_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from worker_service.models.llava import LlavaForConditionalGeneration
@@ -18,6 +19,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
