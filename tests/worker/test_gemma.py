@@ -1,7 +1,7 @@
 """Gemma 2 / Gemma 3 text (issue 22), tiny random checkpoints built with transformers, with
 16-token windows on alternate layers: Tessera greedy == HF generate token for token in
-float32, 8 prompts x 32 tokens, whole and chunked prefill; Gemma 2's attention logit
-soft-capping, not implemented, is refused naming the field."""
+float32, 8 prompts x 32 tokens, whole and chunked prefill (Gemma 2 with attention and
+final logit soft-capping)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,14 @@ GEMMA: dict[str, Any] = dict(
     tie_word_embeddings=True,
 )
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "gemma2": ("gemma2", dict(GEMMA, attn_logit_softcapping=None, final_logit_softcapping=3.0)),
+    # scores of a tiny random model are small: scale 1 (not 1/sqrt(24)) and a cap of 0.2
+    # change them a lot
+    "gemma2": (
+        "gemma2",
+        dict(
+            GEMMA, query_pre_attn_scalar=1, attn_logit_softcapping=0.2, final_logit_softcapping=3.0
+        ),
+    ),
     "gemma3": (
         "gemma3_text",
         dict(
@@ -59,7 +66,8 @@ def test_final_logit_softcapping_is_applied(tmp_path: Path) -> None:
     assert logits.abs().max() <= 3.0
 
 
-def test_attention_softcapping_is_refused(tmp_path: Path) -> None:
-    path = save_tiny("gemma2", tmp_path, **dict(GEMMA, attn_logit_softcapping=50.0))
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        load_model(path, torch.float32, torch.device("cpu"), ReferenceAttentionBackend())
+def test_attention_softcapping_is_read(tmp_path: Path) -> None:
+    model_type, overrides = MODELS["gemma2"]
+    path = save_tiny(model_type, tmp_path, **overrides)
+    model = load_model(path, torch.float32, torch.device("cpu"), ReferenceAttentionBackend())
+    assert {a.softcap for a in model.attention_layers()} == {0.2}

@@ -72,9 +72,11 @@ class AttentionBackend(abc.ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention of each new token over its request's KV (cached prefix + new tokens up to
         and including itself), reading K/V only from the pool; GQA when num_heads > num_kv_heads.
         With a sliding `window` > 0, each token sees only the last `window` tokens up to and
         including itself (HF: q_pos - k_pos < window); blocks before that may have been freed.
+        With `softcap` > 0, scaled scores are soft-capped: softcap * tanh(score / softcap).
         Call after write_kv for the same step."""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from worker_service.attention import cpu_kernel
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.attention.reference import ReferenceAttentionBackend
 
 
 @dataclass
@@ -65,6 +66,7 @@ class CpuAttentionBackend(AttentionBackend):
         self._plans: dict[int, _Plan] = {}  # by sliding window (0: none), for _plan_for
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
         self._kernel = cpu_kernel.load() if decode_kernel else None
+        self._reference = ReferenceAttentionBackend()
 
     @property
     def decode_kernel(self) -> bool:
@@ -95,7 +97,10 @@ class CpuAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
+        if softcap > 0:  # SDPA cannot soft-cap scores: the plain-torch path (slower)
+            return self._reference.forward(query, k_cache, v_cache, meta, scale, window, softcap)
         use_kernel = self.decode_kernel and query.dtype in cpu_kernel.DTYPES
         plan = self._get_plan(meta, k_cache.shape[1], use_kernel, window)
         if len(plan.decode) == 1 and plan.decode[0].contiguous and not plan.prefills:

@@ -42,6 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         _check_device(query, k_cache, v_cache)
         _check_inner_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
@@ -64,6 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_query_len,
             scale,
             window=window,
+            softcap=softcap,
         )
         return out
 

@@ -107,6 +107,7 @@ def _paged_attention_kernel(
     stride_vc_h,
     stride_bt,
     window,  # sliding window (read only when SLIDING): q_pos - kv_pos < window
+    softcap,  # score soft-capping (read only when SOFTCAP): softcap * tanh(score / softcap)
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -117,6 +118,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the interpreter's bf16 dot is wrong)
     SLIDING: tl.constexpr,  # a sliding window (else every earlier key is seen)
+    SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,6 +170,9 @@ def _paged_attention_kernel(
             if DOT_IN_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+            if SOFTCAP:  # on the natural-log scores: tanh(x) = 2 / (1 + exp(-2x)) - 1
+                x = s * (0.6931471805599453 / softcap)  # score / softcap (s is in log2 units)
+                s = (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0) * (softcap * 1.4426950408889634)
             visible = row_valid[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
             if SLIDING:
                 visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -257,6 +262,7 @@ def paged_attention(
     scale: float,
     tile_n: int = 32,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Launch the paged attention kernel, writing into `out` (each token over the last
     `window` keys up to itself with a sliding window > 0)."""
@@ -285,6 +291,7 @@ def paged_attention(
         *v_cache.stride()[:3],
         block_table.stride(0),
         window,
+        softcap,
         GROUP=group,
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
@@ -295,4 +302,5 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=interpreted() and query.dtype == torch.bfloat16,
         SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
     )

@@ -1,8 +1,8 @@
 """Gemma 2 / Gemma 3 text decoders: (1 + weight) RMSNorm, embeddings scaled by
 sqrt(hidden), sandwich norms (pre/post attention and feed-forward), GeGLU (tanh GELU),
 query_pre_attn_scalar, alternating sliding/global layers, final logit soft-capping, and for
-Gemma 3 per-head q/k norms and a local rope base for its sliding layers. Attention logit
-soft-capping (Gemma 2's attn_logit_softcapping) is not implemented and is refused."""
+Gemma 3 per-head q/k norms and a local rope base for its sliding layers. Gemma 2's attention
+logit soft-capping runs in every backend (on CPU through the plain-torch path: SDPA cannot)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn.scale = (
             float(cfg.raw_text.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
         )
+        self.self_attn.softcap = float(cfg.raw_text.get("attn_logit_softcapping") or 0.0)
         self.mlp = GeluMLP(size, layer_shard(cfg, tp.rank, tp.size).intermediate, tp)
 
     def forward(self, x: torch.Tensor, cis: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -80,9 +81,13 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    """Gemma 2 (without attention logit soft-capping): see the module doc."""
+    """Gemma 2: see the module doc."""
 
-    supported_features: tuple[str, ...] = ("sliding_window", "final_logit_softcapping")
+    supported_features: tuple[str, ...] = (
+        "sliding_window",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+    )
     qk_norm = False
 
     def __init__(

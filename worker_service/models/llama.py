@@ -53,6 +53,7 @@ class PagedAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = 0  # this layer's window (0: full attention), set by the model
+        self.softcap = 0.0  # attention score soft-capping (Gemma 2), set by the model
         self.backend = backend
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache = torch.empty(0)
@@ -78,7 +79,7 @@ class PagedAttention(nn.Module):
         meta = get_attention_metadata()
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.backend.forward(
-            q, self.k_cache, self.v_cache, meta, self.scale, window=self.sliding_window
+            q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.softcap
         )
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
