@@ -38,6 +38,7 @@ def make_spec(
         block_size=block_size,
         bytes_per_block=per_layer * cfg.num_layers,
         sliding_window=max(windows) if windows and min(windows) > 0 else 0,
+        length_dependent_rope=cfg.rope.length_dependent,
     )
 
 

@@ -102,3 +102,29 @@ def _config_dir(tmp_path: Path, **fields: Any) -> Path:
 def test_unknown_rope_is_refused(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         read_model_config(_config_dir(tmp_path, **fields))
+
+
+def test_length_dependent_rope_turns_prefix_caching_off(rope_model: Path) -> None:
+    """dynamic / longrope keys depend on the prompt length: the KV spec says so and the
+    engine then reuses no cached prefix (another length would have rotated it otherwise)."""
+    import dataclasses
+
+    import torch
+
+    from scheduler_service.engine import EngineCore
+    from services.config import CacheConfig, SchedulerConfig
+    from services.step_types import KVCacheSpec
+    from tests.scheduler.fake_worker import FakeWorker
+    from worker_service.kv_cache import make_spec
+
+    cfg = read_model_config(rope_model)
+    spec = make_spec(cfg, 16, torch.float32)
+    dependent = cfg.rope.rope_type in ("dynamic", "longrope")
+    assert spec.length_dependent_rope == dependent
+
+    class SpecWorker(FakeWorker):
+        def get_kv_cache_spec(self) -> KVCacheSpec:
+            return dataclasses.replace(super().get_kv_cache_spec(), length_dependent_rope=dependent)
+
+    engine = EngineCore(SchedulerConfig(), CacheConfig(enable_prefix_caching=True), [SpecWorker()])
+    assert engine.scheduler.kv.enable_prefix_caching == (not dependent)
