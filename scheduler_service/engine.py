@@ -79,9 +79,17 @@ class EngineCore:
             block_size=self.kv_spec.block_size,
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_info.eos_token_ids,
-            enable_prefix_caching=self.cache_config.enable_prefix_caching,
+            enable_prefix_caching=self._prefix_caching(),
             pooled_prefix_hits=self.model_info.pooling_type == "LAST",
+            sliding_window=self.kv_spec.sliding_window,
         )
+
+    def _prefix_caching(self) -> bool:
+        """The configured prefix caching, off where the model's keys depend on the length."""
+        if self.cache_config.enable_prefix_caching and self.kv_spec.length_dependent_rope:
+            log.warning("prefix caching disabled: the model's rope depends on the prompt length")
+            return False
+        return self.cache_config.enable_prefix_caching
 
     def lose_workers(self, error: str) -> list[EngineCoreOutput]:
         """A worker was lost or restarted: unhealthy until `reconnect`; every request ends

@@ -20,9 +20,20 @@ class KVCacheManager:
     points at unwritten KV.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int = 0,
+    ):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        # Every layer attends back over at most this many tokens (0: some layer attends to
+        # all): leading blocks wholly before it are freed as a request advances, their ids
+        # left in its table (positions stay put; the workers never read them again).
+        self.sliding_window = sliding_window
+        self._num_freed: dict[str, int] = {}  # request id -> leading blocks already freed
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of which found in the cache
@@ -107,9 +118,22 @@ class KVCacheManager:
             self.pool.cache_block(blocks[request.block_ids[i]], hashes[i])
         request.num_hashed_blocks = num_full
 
+    def free_outside_window(self, request: Request) -> None:
+        """Free the request's leading blocks that no future token can see: the next token
+        (position num_computed_tokens) sees keys after num_computed_tokens - window."""
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        num_out = min(max(first_visible, 0) // self.block_size, len(request.block_ids))
+        done = self._num_freed.get(request.request_id, 0)
+        if num_out <= done:
+            return
+        blocks = self.pool.blocks
+        self.pool.free_blocks([blocks[i] for i in request.block_ids[done:num_out]])
+        self._num_freed[request.request_id] = num_out
+
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so tails are evicted first)."""
         blocks = self.pool.blocks
-        self.pool.free_blocks([blocks[i] for i in reversed(request.block_ids)])
+        done = self._num_freed.pop(request.request_id, 0) if self._num_freed else 0
+        self.pool.free_blocks([blocks[i] for i in reversed(request.block_ids[done:])])
         request.block_ids = []
         request.num_hashed_blocks = 0

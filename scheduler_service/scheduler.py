@@ -57,13 +57,14 @@ class Scheduler(SpeculativeScheduling):
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
         pooled_prefix_hits: bool = False,
+        sliding_window: int = 0,
     ) -> None:
         self.config = config
         self.pooled_prefix_hits = pooled_prefix_hits  # LAST pooling: only the last row counts
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -281,6 +282,8 @@ class Scheduler(SpeculativeScheduling):
         request.num_computed_tokens += num_tokens
         if request.num_computed_tokens // self.block_size > request.num_hashed_blocks:
             self.kv.cache_computed_blocks(request)
+        if self.kv.sliding_window:
+            self.kv.free_outside_window(request)
         if request.num_computed_tokens < request.num_tokens:
             return None  # inside a prefill: a token sampled here is discarded
         request.num_output_placeholders -= 1

@@ -140,6 +140,8 @@ class KVCacheSpec:
     dtype: str = ""
     block_size: int = 16
     bytes_per_block: int = 0
+    sliding_window: int = 0  # every layer's window is at most this (0: some layer is global)
+    length_dependent_rope: bool = False  # keys depend on the prompt length: no prefix caching
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,6 +192,7 @@ class InputBatch:
             max_seq_len=max_seq,
             query_lens_cpu=sched.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            prompt_lens_cpu=[s.prompt_len for s in order],
         )
         if has_drafts:
             return self._with_drafts(order, sched, input_ids, positions, meta, cu, device)

@@ -29,6 +29,7 @@ def make_spec(
     elem = torch.empty(0, dtype=dtype).element_size()
     num_kv_heads = num_kv_heads or cfg.num_kv_heads
     per_layer = 2 * block_size * num_kv_heads * cfg.head_dim * elem
+    windows = cfg.sliding_windows
     return KVCacheSpec(
         num_layers=cfg.num_layers,
         num_kv_heads=num_kv_heads,
@@ -36,6 +37,8 @@ def make_spec(
         dtype=str(dtype).removeprefix("torch."),
         block_size=block_size,
         bytes_per_block=per_layer * cfg.num_layers,
+        sliding_window=max(windows) if windows and min(windows) > 0 else 0,
+        length_dependent_rope=cfg.rope.length_dependent,
     )
 
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
 from worker_service.models.llama import LlamaForCausalLM
-from worker_service.models.registry import model_class
+from worker_service.models.registry import check_features, model_class
 from worker_service.parallel import LayerShard, TPGroup
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ def load_model(
     tp = tp or TPGroup()
     cfg = read_model_config(model_dir)
     cls = model_class(cfg.architecture)
+    check_features(cls, cfg)
     with torch.device(device):
         model = cls(cfg, backend, tp)
     _cast(model, dtype)
@@ -57,7 +58,8 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 # (vision towers, never split, only load with tp.size 1)
                 tensor = _read_share(model, f, name) if tp.size > 1 else f.get_tensor(name)
-                loaded |= _load_tensor(model, model.config, name, tensor, model.shard)
+                for part, piece in model.split_checkpoint(name, tensor):  # (Phi-3's fused)
+                    loaded |= _load_tensor(model, model.config, part, piece, model.shard)
     _check_complete(model, loaded)
     _log_weight_bytes(model, tp)
     return model.eval()

@@ -67,7 +67,7 @@ class ModelRunner:
             self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))
         arch = self.model.config
         self.max_model_len = min(
-            config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+            config.model.max_model_len or arch.max_positions, arch.max_positions
         )
         self.block_size = config.cache.block_size
         self.spec = kv_cache.make_spec(

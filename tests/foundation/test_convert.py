@@ -167,6 +167,8 @@ CASES: list[Any] = [
         dtype="bfloat16",
         block_size=16,
         bytes_per_block=368640,
+        sliding_window=32,
+        length_dependent_rope=True,
     ),
     ServerInfo(
         model_name="m",

@@ -119,7 +119,36 @@ def test_verify_rows_run_as_decode_rows_of_the_kernel(dtype: torch.dtype) -> Non
     backend = make_backend("kernel")
     backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
-    plan = backend._get_plan(case.meta, 16, True)
+    plan = backend._get_plan(case.meta, 16, True, 0)
     assert plan.kernel_decode is not None and len(plan.kernel_decode.rows) == 2 + 5 + 3
     assert len(plan.prefills) == 1  # only the real prefill
     torch.testing.assert_close(out.float(), dense_attention(case), atol=tolerance(dtype), rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["kernel", "sdpa-folded", "hf-call"])
+@pytest.mark.parametrize("batch", ["mixed", "prefill_with_prefix", "many_decodes"])
+@pytest.mark.parametrize("window", [1, 7, 20])  # within a block, across blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliding_window_matches_reference(
+    mode: str, batch: str, window: int, dtype: torch.dtype
+) -> None:
+    """Each token sees only its last `window` keys; unused and out-of-window slots hold FAR
+    (as blocks freed and reused by other requests hold other values)."""
+    from worker_service.attention.reference import ReferenceAttentionBackend
+
+    requests = MANY_DECODES if batch == "many_decodes" else BATCHES[batch]
+    case = build_case(requests, 6, 2, 64, 16, dtype)
+    case.k_cache.nan_to_num_(FAR)
+    case.v_cache.nan_to_num_(FAR)
+    ref = ReferenceAttentionBackend()
+    pools = case.k_cache.clone(), case.v_cache.clone()
+    ref.write_kv(case.key, case.value, *pools, case.meta.slot_mapping)
+    expected = ref.forward(case.query, *pools, case.meta, case.scale, window=window)
+    backend = make_backend(mode)
+    backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    full = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = backend.forward(
+        case.query, case.k_cache, case.v_cache, case.meta, case.scale, window=window
+    )
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance(dtype), rtol=0)
+    assert not torch.allclose(out.float(), full.float(), atol=1e-2)  # the window mattered

@@ -41,6 +41,11 @@ ATTENTION_CASES = [
 ]
 WRITE_CASES = [(F32, 16, 64), (BF16, 32, 64), (F16, 16, 128)]
 TILE_CASES = [(16, 32), (64, 16)]  # (tile_n, block_size): tiles inside one block / spanning 4
+# (batch, sliding window, query heads per kv head, block size): windows inside one key tile,
+# across tiles and blocks, and longer than some requests
+WINDOW_CASES = [
+    (b, w, g, bs) for b in ("long", "mixed") for w in (1, 5, 40) for g in (1, 3) for bs in (16,)
+]
 
 
 def case_id(value: object) -> str | None:
@@ -48,7 +53,11 @@ def case_id(value: object) -> str | None:
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
 
 
-NUM_CHILD_TESTS = len(ATTENTION_CASES) + len(WRITE_CASES) + len(TILE_CASES) + 1
+SOFTCAP_CASES = [("mixed", 0, 0.5), ("long", 5, 2.0)]  # (batch, window, softcap)
+NUM_CHILD_TESTS = (
+    len(ATTENTION_CASES) + len(WRITE_CASES) + len(TILE_CASES) + len(WINDOW_CASES)
+    + len(SOFTCAP_CASES) + 1
+)  # fmt: skip
 
 
 def assert_close_for(dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -57,12 +66,12 @@ def assert_close_for(dtype: torch.dtype, actual: torch.Tensor, expected: torch.T
     torch.testing.assert_close(actual, expected, atol=tol[0], rtol=tol[1])
 
 
-def reference_output(case: PagedCase) -> torch.Tensor:
+def reference_output(case: PagedCase, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Reference backend on copies of the pools (so the Triton run starts from the same state)."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     ref = ReferenceAttentionBackend()
     ref.write_kv(case.key, case.value, k_cache, v_cache, case.meta.slot_mapping)
-    return ref.forward(case.query, k_cache, v_cache, case.meta, case.scale)
+    return ref.forward(case.query, k_cache, v_cache, case.meta, case.scale, window, softcap)
 
 
 if IN_CHILD:
@@ -86,6 +95,33 @@ if IN_CHILD:
         out = backend.forward(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
         assert out.dtype == dtype and out.shape == case.query.shape
         assert_close_for(dtype, out, expected)
+
+    @pytest.mark.parametrize("batch,window,group,block_size", WINDOW_CASES)
+    def test_sliding_window_matches_reference(
+        batch: str, window: int, group: int, block_size: int
+    ) -> None:
+        case = build_case(TRITON_BATCHES[batch], 2 * group, 2, 64, block_size, F32)
+        expected = reference_output(case, window)
+        backend = TritonAttentionBackend()
+        backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+        out = backend.forward(
+            case.query, case.k_cache, case.v_cache, case.meta, case.scale, window=window
+        )
+        assert_close_for(F32, out, expected)
+        if window < 40:  # the window changed the result (it is not a full-attention run)
+            assert not torch.allclose(out, reference_output(case), atol=1e-3)
+
+    @pytest.mark.parametrize("batch,window,softcap", SOFTCAP_CASES)
+    def test_softcap_matches_reference(batch: str, window: int, softcap: float) -> None:
+        case = build_case(TRITON_BATCHES[batch], 6, 2, 64, 16, F32)
+        expected = reference_output(case, window, softcap)
+        backend = TritonAttentionBackend()
+        backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+        out = backend.forward(
+            case.query, case.k_cache, case.v_cache, case.meta, case.scale, window, softcap
+        )
+        assert_close_for(F32, out, expected)
+        assert not torch.allclose(out, reference_output(case, window), atol=1e-3)
 
     @pytest.mark.parametrize("dtype,block_size,head_dim", WRITE_CASES, ids=case_id)
     def test_write_kv_matches_reference(dtype: torch.dtype, block_size: int, head_dim: int) -> None:

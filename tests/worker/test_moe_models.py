@@ -140,7 +140,7 @@ def test_sliding_window_mixtral_is_refused(tmp_path: Path, default_model_dir: Pa
     from worker_service.attention.reference import ReferenceAttentionBackend
     from worker_service.loader import load_model
 
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="sets sliding_window"):
         load_model(path, torch.float32, torch.device("cpu"), ReferenceAttentionBackend())
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["sliding_window"] == 16

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # Requests verifying draft tokens (speculative decoding): their new tokens follow a
     # decoded sequence, so a backend may attend each of them as a decode row of its own.
     verify_reqs: list[int] = field(default_factory=list)
+    # Host copy of each request's prompt length (rope types that depend on it: dynamic,
+    # longrope); empty when the step's builder does not know them.
+    prompt_lens_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -71,7 +74,12 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention of each new token over its request's KV (cached prefix + new tokens up to
         and including itself), reading K/V only from the pool; GQA when num_heads > num_kv_heads.
+        With a sliding `window` > 0, each token sees only the last `window` tokens up to and
+        including itself (HF: q_pos - k_pos < window); blocks before that may have been freed.
+        With `softcap` > 0, scaled scores are soft-capped: softcap * tanh(score / softcap).
         Call after write_kv for the same step."""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from worker_service.attention import cpu_kernel
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.attention.reference import ReferenceAttentionBackend
 
 
 @dataclass
@@ -62,9 +63,10 @@ class CpuAttentionBackend(AttentionBackend):
     def __init__(self, decode_kernel: bool = True) -> None:
         """decode_kernel: use the C++ paged decode kernel when it builds (else SDPA groups)."""
         self._plan_for: AttentionMetadata | None = None
-        self._plan = _Plan([], None, [])
+        self._plans: dict[int, _Plan] = {}  # by sliding window (0: none), for _plan_for
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
         self._kernel = cpu_kernel.load() if decode_kernel else None
+        self._reference = ReferenceAttentionBackend()
 
     @property
     def decode_kernel(self) -> bool:
@@ -94,16 +96,27 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
+        if softcap > 0:  # SDPA cannot soft-cap scores: the plain-torch path (slower)
+            return self._reference.forward(query, k_cache, v_cache, meta, scale, window, softcap)
         use_kernel = self.decode_kernel and query.dtype in cpu_kernel.DTYPES
-        plan = self._get_plan(meta, k_cache.shape[1], use_kernel)
+        plan = self._get_plan(meta, k_cache.shape[1], use_kernel, window)
         if len(plan.decode) == 1 and plan.decode[0].contiguous and not plan.prefills:
             return self._decode(query, k_cache, v_cache, plan.decode[0], scale)
         out = torch.empty_like(query)
         if plan.kernel_decode is not None:
             assert self._kernel is not None
             cpu_kernel.paged_decode(
-                self._kernel, query.contiguous(), k_cache, v_cache, out, plan.kernel_decode, scale
+                self._kernel,
+                query.contiguous(),
+                k_cache,
+                v_cache,
+                out,
+                plan.kernel_decode,
+                scale,
+                window,
             )
         for group in plan.decode:
             out[group.rows] = self._decode(query[group.rows], k_cache, v_cache, group, scale)
@@ -167,21 +180,27 @@ class CpuAttentionBackend(AttentionBackend):
         )
         return out[0].transpose(0, 1)  # [query_len, heads, head_dim]
 
-    def _get_plan(self, meta: AttentionMetadata, block_size: int, use_kernel: bool) -> _Plan:
+    def _get_plan(
+        self, meta: AttentionMetadata, block_size: int, use_kernel: bool, window: int
+    ) -> _Plan:
         if meta is not self._plan_for:
-            self._plan = build_plan(meta, block_size, use_kernel)
-            self._plan_for = meta
-        return self._plan
+            self._plans, self._plan_for = {}, meta
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = build_plan(meta, block_size, use_kernel, window)
+        return plan
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, use_kernel: bool = False) -> _Plan:
+def build_plan(
+    meta: AttentionMetadata, block_size: int, use_kernel: bool = False, window: int = 0
+) -> _Plan:
     """Split a step's requests into decode calls (one kernel call, or SDPA length groups)
-    and per-request prefill calls."""
+    and per-request prefill calls; masks keep each token to its sliding `window` (0: all)."""
     starts = meta.query_start_loc.tolist()
     decode_reqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     verify = set(meta.verify_reqs) if use_kernel else set()
     prefills = [
-        _prefill_item(meta, i, starts[i], block_size)
+        _prefill_item(meta, i, starts[i], block_size, window)
         for i, q in enumerate(meta.query_lens_cpu)
         if q > 1 and i not in verify
     ]
@@ -190,7 +209,8 @@ def build_plan(meta: AttentionMetadata, block_size: int, use_kernel: bool = Fals
     if use_kernel:
         return _Plan([], _kernel_batch(meta, decode_reqs, starts), prefills)
     groups = _length_groups(decode_reqs, meta.seq_lens_cpu)
-    return _Plan([_decode_group(meta, g, starts, block_size) for g in groups], None, prefills)
+    decode = [_decode_group(meta, g, starts, block_size, window) for g in groups]
+    return _Plan(decode, None, prefills)
 
 
 def _kernel_batch(
@@ -231,7 +251,7 @@ def _length_groups(decode_reqs: list[int], seq_lens: list[int]) -> list[list[int
 
 
 def _decode_group(
-    meta: AttentionMetadata, reqs: list[int], starts: list[int], block_size: int
+    meta: AttentionMetadata, reqs: list[int], starts: list[int], block_size: int, window: int
 ) -> _DecodeGroup:
     device = meta.block_table.device
     seq_lens = [meta.seq_lens_cpu[i] for i in reqs]
@@ -240,20 +260,31 @@ def _decode_group(
     index = torch.tensor(reqs, device=device)
     table = meta.block_table.index_select(0, index)[:, :blocks].long().contiguous()
     mask = None
-    if len(reqs) > 1 and min(seq_lens) != max_seq:
-        lens = torch.tensor(seq_lens, device=device)
-        mask = (torch.arange(max_seq, device=device) < lens[:, None])[:, None, None, :]
+    windowed = 0 < window < max_seq
+    if windowed or (len(reqs) > 1 and min(seq_lens) != max_seq):
+        lens = torch.tensor(seq_lens, device=device)[:, None]
+        k_pos = torch.arange(max_seq, device=device)
+        keep = k_pos < lens  # [n, max_seq]
+        if windowed:
+            keep &= k_pos >= lens - window
+        mask = keep[:, None, None, :]
     rows = torch.tensor([starts[i] for i in reqs], device=device)
     contiguous = reqs == list(range(len(reqs))) and starts[len(reqs)] == len(reqs)
     return _DecodeGroup(rows, table, max_seq, mask, contiguous)
 
 
-def _prefill_item(meta: AttentionMetadata, i: int, start: int, block_size: int) -> _Prefill:
+def _prefill_item(
+    meta: AttentionMetadata, i: int, start: int, block_size: int, window: int
+) -> _Prefill:
     query_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
     blocks = meta.block_table[i, : -(-seq_len // block_size)].long()
     mask = None
-    if seq_len > query_len:  # a cached prefix: query j sees keys up to prefix + j
+    windowed = 0 < window < seq_len
+    if seq_len > query_len or windowed:  # a cached prefix: query j sees keys up to prefix + j
         device = meta.block_table.device
         q_pos = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
-        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+        k_pos = torch.arange(seq_len, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if windowed:  # and only the last `window` of them
+            mask &= k_pos > q_pos - window
     return _Prefill(start, start + query_len, seq_len, blocks, mask)

@@ -45,6 +45,7 @@ inline void narrow(float x, uint16_t* dst) {
 
 struct Shape {
   int64_t heads, kv_heads, head_dim, block_size;
+  int64_t window;  // sliding window: attend to the last `window` tokens; 0 = all
 };
 
 // Per-thread float32 buffers: the scaled queries, the accumulators, one block's widened
@@ -210,8 +211,10 @@ inline void prefetch_block(const T* head, const int32_t* blocks, int64_t b, int6
       __builtin_prefetch(first + o * slot_stride * int64_t(sizeof(T)) + line);
 }
 
-// One request, one KV head: its `group` query heads attend over seq_len tokens, a block
-// at a time. Dim is head_dim when known at compile time (loops then unroll), else 0.
+// One request, one KV head: its `group` query heads attend over seq_len tokens (the last
+// s.window of them with a sliding window: blocks before it are skipped, earlier tokens of
+// its first block get a zero weight), a block at a time. Dim is head_dim when known at
+// compile time (loops then unroll), else 0.
 template <typename T, int64_t Dim>
 void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* blocks,
             int64_t seq_len, int64_t kv_head, const Shape& s, float scale, Scratch& w) {
@@ -222,8 +225,10 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   const int64_t num_blocks = (seq_len + bs - 1) / bs;
   w.reserve(group, dim, bs, seq_len);
   for (int64_t i = 0; i < group * dim; ++i) w.q[i] = widen(q[kv_head * group * dim + i]) * scale;
+  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+  const int64_t b0 = lo / bs;  // first block holding a token of the window
 
-  for (int64_t start = 0, b = 0; start < seq_len; start += bs, ++b) {
+  for (int64_t start = b0 * bs, b = b0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
 #if TESSERA_SIMD
     if constexpr (Dim > 0 && Dim % Simd::W == 0) {
@@ -239,10 +244,14 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
     for (int64_t g = 0; g < group; ++g)
       dot_rows<Dim>(w.q + g * dim, w.rows, n, dim, w.scores + g * seq_len + start);
   }
-  for (int64_t g = 0; g < group; ++g) softmax(w.scores + g * seq_len, seq_len);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = w.scores + g * seq_len;
+    std::fill(row + b0 * bs, row + lo, -INFINITY);
+    softmax(row + b0 * bs, seq_len - b0 * bs);
+  }
 
   std::fill(w.acc, w.acc + group * dim, 0.f);
-  for (int64_t start = 0, b = 0; start < seq_len; start += bs, ++b) {
+  for (int64_t start = b0 * bs, b = b0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
 #if TESSERA_SIMD
     if constexpr (Dim > 0 && Dim % Simd::W == 0) {
@@ -306,9 +315,11 @@ extern "C" int tessera_paged_decode(int dtype, const void* query, const void* k_
                                     int64_t table_stride, const int32_t* seq_lens,
                                     const int64_t* reqs, const int64_t* rows, int64_t num_decode,
                                     int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                    int64_t block_size, float scale, int num_threads) {
+                                    int64_t block_size, int64_t window, float scale,
+                                    int num_threads) {
   if (heads % kv_heads != 0) return 1;
-  const Shape s{heads, kv_heads, head_dim, block_size};
+  if (window < 0) return 3;
+  const Shape s{heads, kv_heads, head_dim, block_size, window};
   if (dtype != 0 && dtype != 1) return 2;
   if (dtype == 0)
     dispatch(static_cast<const float*>(query), static_cast<const float*>(k_cache),

@@ -30,7 +30,7 @@ _ARGTYPES: list[Any] = [
     *[ctypes.c_void_p] * 5,  # query, k_cache, v_cache, out, block_table
     ctypes.c_int64,  # table_stride
     *[ctypes.c_void_p] * 3,  # seq_lens, reqs, rows
-    *[ctypes.c_int64] * 5,  # num_decode, heads, kv_heads, head_dim, block_size
+    *[ctypes.c_int64] * 6,  # num_decode, heads, kv_heads, head_dim, block_size, window
     ctypes.c_float,  # scale
     ctypes.c_int,  # num_threads
 ]
@@ -73,8 +73,10 @@ def paged_decode(
     out: torch.Tensor,  # [num_tokens, heads, head_dim], written at `batch.rows`
     batch: DecodeBatch,
     scale: float,
+    window: int = 0,
 ) -> None:
-    """out[rows[i]] = attention of query[rows[i]] over request reqs[i]'s cached K/V."""
+    """out[rows[i]] = attention of query[rows[i]] over request reqs[i]'s cached K/V (its last
+    `window` tokens with a sliding window; 0: all)."""
     for t in (query, k_cache, v_cache, out):
         assert t.is_contiguous() and t.device.type == "cpu" and t.dtype == query.dtype
     _, block_size, kv_heads, head_dim = k_cache.shape
@@ -84,7 +86,7 @@ def paged_decode(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         b.block_table.data_ptr(), b.block_table.shape[1], b.seq_lens.data_ptr(),
         b.reqs.data_ptr(), b.rows.data_ptr(), b.reqs.shape[0],
-        query.shape[1], kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+        query.shape[1], kv_heads, head_dim, block_size, window, scale, torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise ValueError(f"paged decode kernel rejected its arguments (status {status})")

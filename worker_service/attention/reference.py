@@ -33,10 +33,15 @@ def causal_attention(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim], float32
     """Dense attention of the last q_len positions of a sequence over all its seq_len keys.
 
-    Query row j sits at absolute position seq_len - q_len + j and sees keys 0..that position.
+    Query row j sits at absolute position seq_len - q_len + j and sees keys 0..that position
+    (only the last `window` of them, itself included, with a sliding window > 0, as HF's
+    sliding-window mask: q_pos - k_pos < window). With `softcap` > 0 the scaled scores are
+    soft-capped as HF's eager attention does: softcap * tanh(score / softcap).
     Query head h reads kv head h // (num_heads // num_kv_heads).
     """
     q_len, num_heads, _ = query.shape
@@ -45,9 +50,13 @@ def causal_attention(
     key = key.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
     value = value.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale  # [heads, q_len, seq_len]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
     k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
     hidden = k_pos[None, :] > q_pos[:, None]  # [q_len, seq_len]
+    if window > 0:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - window
     probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, value)
 
@@ -78,6 +87,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty_like(query)
         block_size = k_cache.shape[1]
@@ -88,6 +99,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         ):
             slots = request_slots(meta.block_table[i], seq_len, block_size)  # [seq_len]
             rows = slice(start, start + q_len)
-            out[rows] = causal_attention(query[rows], flat_k[slots], flat_v[slots], scale)
+            out[rows] = causal_attention(
+                query[rows], flat_k[slots], flat_v[slots], scale, window, softcap
+            )
             start += q_len
         return out

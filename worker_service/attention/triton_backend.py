@@ -41,6 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         _check_device(query, k_cache, v_cache)
         _check_inner_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
@@ -62,6 +64,8 @@ class TritonAttentionBackend(AttentionBackend):
             meta.query_start_loc,
             meta.max_query_len,
             scale,
+            window=window,
+            softcap=softcap,
         )
         return out
 

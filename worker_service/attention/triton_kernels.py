@@ -106,6 +106,8 @@ def _paged_attention_kernel(
     stride_vc_s,
     stride_vc_h,
     stride_bt,
+    window,  # sliding window (read only when SLIDING): q_pos - kv_pos < window
+    softcap,  # score soft-capping (read only when SOFTCAP): softcap * tanh(score / softcap)
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -115,6 +117,8 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,  # key positions per loop iteration
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the interpreter's bf16 dot is wrong)
+    SLIDING: tl.constexpr,  # a sliding window (else every earlier key is seen)
+    SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,7 +149,10 @@ def _paged_attention_kernel(
         # Keys the last query row of this block may see.
         kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
         block_row = block_table_ptr + req.to(tl.int64) * stride_bt
-        for tile_start in range(0, kv_end, TILE_N):
+        kv_begin = 0
+        if SLIDING:  # keys the first query row of this block may see start here
+            kv_begin = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+        for tile_start in range(kv_begin, kv_end, TILE_N):
             kv_pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N]
             kv_valid = kv_pos < kv_end
             block_id = tl.load(block_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
@@ -163,7 +170,12 @@ def _paged_attention_kernel(
             if DOT_IN_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+            if SOFTCAP:  # on the natural-log scores: tanh(x) = 2 / (1 + exp(-2x)) - 1
+                x = s * (0.6931471805599453 / softcap)  # score / softcap (s is in log2 units)
+                s = (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0) * (softcap * 1.4426950408889634)
             visible = row_valid[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
@@ -249,8 +261,11 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     tile_n: int = 32,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Launch the paged attention kernel, writing into `out`."""
+    """Launch the paged attention kernel, writing into `out` (each token over the last
+    `window` keys up to itself with a sliding window > 0)."""
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -275,6 +290,8 @@ def paged_attention(
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         block_table.stride(0),
+        window,
+        softcap,
         GROUP=group,
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
@@ -284,4 +301,6 @@ def paged_attention(
         TILE_N=tile_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=interpreted() and query.dtype == torch.bfloat16,
+        SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
     )

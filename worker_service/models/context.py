@@ -31,3 +31,8 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention layer called outside forward_context()")
     return _current
+
+
+def current_attention_metadata() -> AttentionMetadata | None:
+    """The metadata of the step being run, or None outside `forward_context`."""
+    return _current

@@ -7,15 +7,14 @@ matmul accumulation are float32, and the logits are returned as float32.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.models.config import RopeConfig
 from worker_service.models.cpu_ops import CpuOps
+from worker_service.models.rope import RotaryEmbedding  # noqa: F401 (re-exported)
 from worker_service.parallel import TPGroup
 
 # oneDNN builds one GEMM primitive per (rows, weight) shape and keeps it twice, in its own
@@ -123,58 +122,6 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         return self.norm(x), x
-
-
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, as HF computes them (llama3 scaling too)."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.rope_type != "llama3":
-        return inv
-    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
-    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary embedding in HF's half-split layout: dim i rotates with dim i + head_dim/2.
-
-    Keeping HF's layout (rather than interleaving pairs) keeps the element order of
-    every q.k dot product, so bf16 attention rounds exactly as HF's does. cos/sin are
-    computed in float32 and cast to the activation dtype; the rotation is done in that
-    dtype with HF's order of roundings (x*cos + rotate_half(x)*sin).
-    """
-
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
-        super().__init__()
-        freqs = torch.outer(
-            torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, rope)
-        )  # [max_positions, head_dim // 2]
-        self.cos_table: torch.Tensor
-        self.sin_table: torch.Tensor
-        self.register_buffer("cos_table", freqs.cos(), persistent=False)
-        self.register_buffer("sin_table", freqs.sin(), persistent=False)
-
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens] -> cos, sin [num_tokens, 1, head_dim // 2] in `dtype`, once per step."""
-        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [num_tokens, heads, head_dim] -> rotated, same shape and dtype."""
-        cos, sin = cos_sin
-        x1, x2 = x.chunk(2, dim=-1)  # [num_tokens, heads, head_dim // 2] each
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class GatedMLP(nn.Module):

@@ -52,6 +52,8 @@ class PagedAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.sliding_window = 0  # this layer's window (0: full attention), set by the model
+        self.softcap = 0.0  # attention score soft-capping (Gemma 2), set by the model
         self.backend = backend
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache = torch.empty(0)
@@ -68,7 +70,7 @@ class PagedAttention(nn.Module):
                 ],
                 dim=1,
             )
-        if self.ops is not None:
+        if self.ops is not None and 2 * cis[0].shape[-1] == self.head_dim:  # full rotary
             self.ops.rope_(qk, *cis)  # in place, inside the qkv output
         else:
             qk = RotaryEmbedding.rotate(qk, cis)  # [n, heads + kv_heads, head_dim]
@@ -76,7 +78,9 @@ class PagedAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         meta = get_attention_metadata()
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(
+            q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.softcap
+        )
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -110,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
     the LM head are replicated (see worker_service.parallel)."""
 
     splits_for_tp = True  # False: parts no rank splits (a vision tower) refuse tp > 1
+    supported_features: tuple[str, ...] = ()  # config features served (config.attention_features)
 
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
@@ -125,8 +130,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, self.tp) for _ in range(cfg.num_layers)
         )
+        for attn, window in zip(self.attention_layers(), cfg.sliding_windows, strict=False):
+            attn.sliding_window = window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one Parameter, as HF ties them
@@ -135,6 +142,10 @@ class LlamaForCausalLM(nn.Module):
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:
         """Architecture-specific options (subclasses switch on bias / q-k norm)."""
         return cfg
+
+    def split_checkpoint(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Checkpoint tensor -> the (name, tensor) pieces the loader places (one, here)."""
+        return [(name, tensor)]
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn for layer in self.layers if isinstance(layer, DecoderLayer)]
@@ -172,7 +183,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: Llama with biases on the q/k/v projections."""
+    """Qwen2: Llama with biases on the q/k/v projections (sliding windows on the layers from
+    max_window_layers on, with use_sliding_window)."""
+
+    supported_features: tuple[str, ...] = ("sliding_window",)
 
     @classmethod
     def adapt_config(cls, cfg: ModelArchConfig) -> ModelArchConfig:

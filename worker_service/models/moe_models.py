@@ -120,8 +120,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TPGroup | None = None
     ) -> None:
         cfg = self.adapt_config(cfg)
-        if cfg.raw.get("sliding_window") and cfg.raw.get("use_sliding_window", True):
-            raise ValueError(f"{cfg.architecture}: sliding-window attention is not supported yet")
         super().__init__(dataclasses.replace(cfg, num_layers=0), backend, tp)
         self.config = cfg
         self.moe = self.moe_config(cfg)
