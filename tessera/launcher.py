@@ -175,7 +175,7 @@ class Launcher:
         try:
             for service in self.services:
                 if not self._start(service):
-                    return 1
+                    return 0 if self._stop.is_set() else 1  # a signal mid-start is a clean stop
             on_ready()
             threading.Thread(target=self._watch_liveness, daemon=True).start()
             while not self._stop.wait(0.5):

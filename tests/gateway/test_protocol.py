@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gateway import tools
+from gateway.chat_format import shaped
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GrpcOptions, parse
 from services.types import StructuredOutputParams
@@ -128,7 +129,9 @@ def test_chat_turns_render_tools_hermes_style() -> None:
     turns = tools.chat_turns(req.messages, req.tools, native=False)
     assert turns[0]["role"] == "system" and turns[0]["content"].startswith("Be brief.\n\n")
     assert '<tools>\n{"type":"function","function":{"name":"f"' in turns[0]["content"]
-    assert turns[1] == {"role": "user", "content": "ab"}
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert turns[1] == {"role": "user", "content": parts}  # the template's format shapes it
+    assert shaped(turns, "string")[1] == {"role": "user", "content": "ab"}
     assert tools.chat_turns(req.messages, None, native=False)[0] == {
         "role": "system",
         "content": "Be brief.",

@@ -210,7 +210,7 @@ def test_runtime_updating_is_off_by_default(dirs: dict[str, Path]) -> None:
         assert reply.status_code == 404
         assert "a" in {m.id for m in _client(stack).models.list().data}
     finally:
-        assert stack.stop() == 0
+        assert stack.stop() == 0, stack.output()[-3000:]
 
 
 def test_grpc_api_takes_the_adapter_in_model(stack: Stack) -> None:
