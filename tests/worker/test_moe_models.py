@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from benchmarks.moe_bench import per_token_moe
 from services.types import SamplingParams
 from tessera.prompts import TokensPrompt
 from tests.hf_reference import hf_greedy
@@ -83,21 +83,6 @@ def test_fused_3d_expert_layout_loads_the_same(tmp_path: Path, default_model_dir
     finally:
         llm.shutdown()
     assert got == expected
-
-
-def per_token_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """The reference: every token, every chosen expert, one at a time."""
-    out = torch.zeros_like(x)
-    inter = w2.shape[2]
-    for t in range(x.shape[0]):
-        for slot in range(ids.shape[1]):
-            e = int(ids[t, slot])
-            gate, up = F.linear(x[t : t + 1], w13[e]).split(inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e])
-            out[t] += (y * weights[t, slot]).to(x.dtype)[0]
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
