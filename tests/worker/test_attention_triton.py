@@ -10,20 +10,16 @@ in that child (marked by TESSERA_TRITON_CHILD=1) the cases below are collected i
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.worker.interpret import run_under_interpreter
 from tests.worker.test_attention_reference import BATCHES, PagedCase, build_case
 from worker_service.attention.reference import ReferenceAttentionBackend
 
 CHILD_FLAG = "TESSERA_TRITON_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TRITON_BATCHES = {
     **BATCHES,
@@ -168,15 +164,7 @@ else:
     @pytest.mark.slow
     def test_kernels_under_interpreter() -> None:
         """Runs this file's kernel cases in a child pytest with TRITON_INTERPRET=1."""
-        env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_FLAG: "1"}
-        cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-        proc = subprocess.run(
-            cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
-        )
-        report = proc.stdout[-6000:] + proc.stderr[-2000:]
-        assert proc.returncode == 0, report
-        summary = proc.stdout.strip().splitlines()[-1]
-        assert re.match(rf"{NUM_CHILD_TESTS} passed in ", summary), report
+        run_under_interpreter(__file__, CHILD_FLAG, NUM_CHILD_TESTS)
 
     def test_cpu_tensors_rejected_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         from worker_service.attention import triton_kernels

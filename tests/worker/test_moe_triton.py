@@ -5,19 +5,15 @@ kernel is decorated, so the cases run in a child pytest started with TRITON_INTE
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.worker.interpret import run_under_interpreter
 from worker_service.models.moe import fused_moe_torch, select_experts
 
 CHILD_FLAG = "TESSERA_MOE_TRITON_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 F32, BF16 = torch.float32, torch.bfloat16
 # (tokens, experts, top_k, hidden, intermediate, dtype): one token, uneven groups, a block
 # of 16 rows spilling over, sizes that are not powers of two, experts nobody picks
@@ -74,12 +70,4 @@ else:
     def test_kernel_under_interpreter() -> None:
         """Runs this file's kernel cases in a child pytest with TRITON_INTERPRET=1."""
         pytest.importorskip("triton")
-        env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_FLAG: "1"}
-        cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-        proc = subprocess.run(
-            cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
-        )
-        report = proc.stdout[-6000:] + proc.stderr[-2000:]
-        assert proc.returncode == 0, report
-        summary = proc.stdout.strip().splitlines()[-1]
-        assert re.match(rf"{NUM_CHILD_TESTS} passed in ", summary), report
+        run_under_interpreter(__file__, CHILD_FLAG, NUM_CHILD_TESTS)
