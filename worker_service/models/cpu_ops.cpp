@@ -8,7 +8,8 @@
 //   add_rms_norm  x, residual, out [n, hidden]; weight [hidden]
 //   rope          qk rows of `row_stride` elements, heads x head_dim each; cos, sin [n, head_dim/2]
 //   silu_mul      gate_up [n, 2 * inter] (gate first); out [n, inter]
-// and the sampler's grammar mask: apply_bitmask (float32 logits, int32 words).
+// and the sampler's grammar mask: apply_bitmask (float32 logits, int32 words), and the
+// few-row GEMM over bf16 weights of small_gemm.h (gemm_bf16).
 
 #include <algorithm>
 #include <cmath>
@@ -17,26 +18,12 @@
 #include <limits>
 #include <type_traits>
 
+#include "bf16.h"
+#include "small_gemm.h"
+
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 
 namespace {
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t bf16) {
-  uint32_t bits = uint32_t(bf16) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
-inline float store(float x, float* dst) { return *dst = x; }
-inline float store(float x, uint16_t* dst) {  // round to nearest even; returns the rounded value
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  *dst = uint16_t(bits >> 16);
-  return widen(*dst);
-}
 
 // Elements per chunk: the float32 working set of one chunk stays in L1.
 constexpr int64_t kChunk = 256;
@@ -170,6 +157,16 @@ void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint
 }  // namespace
 
 extern "C" {
+
+// x, out [rows, K] and [rows, N] bf16; w [N, K] bf16; bias [N] bf16 or null; rows <= 8.
+int tessera_gemm_bf16(const void* x, const void* w, const void* bias, void* out, int64_t rows,
+                      int64_t K, int64_t N, int num_threads) {
+  return small_gemm::gemm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), rows,
+                          K, N, num_threads)
+             ? 0
+             : 2;
+}
 
 // logits [B, vocab] float32; bitmask [n, words] (bit j of word w: token 32 w + j allowed);
 // rows [n]: the logits row of each bitmask row. Disallowed tokens become -inf.

@@ -1,5 +1,5 @@
 """Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up,
-and the sampler's grammar bitmask.
+the sampler's grammar bitmask, and a GEMM of a few rows over bf16 weights (`small_gemm.h`).
 
 At small batches a decode step is dominated by the dispatch of many tiny torch ops;
 each of these replaces 3-8 of them with one ctypes call that keeps HF's bf16 rounding
@@ -46,7 +46,10 @@ _SIGNATURES: dict[str, list[Any]] = {
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int,
     ],
+    # x, w, bias, out, rows, K, N, num_threads
+    "tessera_gemm_bf16": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
 }  # fmt: skip
+SMALL_GEMM_ROWS = 8  # small_gemm.h's kSmallRows
 
 
 @functools.cache
@@ -131,3 +134,19 @@ class CpuOps:
             bitmask.shape[0], bitmask.shape[1], torch.get_num_threads(),
         )  # fmt: skip
         _check(status, "apply_bitmask")
+
+    def gemm_bf16(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [rows <= SMALL_GEMM_ROWS, K] @ weight [N, K].T + bias [N] -> [rows, N], all bf16,
+        summed in float32 (F.linear's result up to the order of the sums)."""
+        x = x.contiguous()
+        assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        status = self.lib.tessera_gemm_bf16(
+            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, "gemm_bf16")
+        return out

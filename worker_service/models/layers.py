@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.models.cpu_ops import CpuOps
+from worker_service.models import cpu_ops
+from worker_service.models.cpu_ops import SMALL_GEMM_ROWS, CpuOps
 from worker_service.models.rope import RotaryEmbedding  # noqa: F401 (re-exported)
 from worker_service.parallel import TPGroup
 
@@ -58,26 +59,42 @@ class Linear(nn.Linear):
     CPU computes it natively (bf16 on AMX / AVX512-BF16), or float32 where bf16 GEMMs
     would be emulated (AVX2): bf16 x bf16 products are exact in float32, so a float32
     GEMM over upcast weights, rounded back to bf16, computes what a native bf16 GEMM
-    with float32 accumulation does (up to summation order), at float32 speed.
+    with float32 accumulation does (up to summation order), at float32 speed. There, up
+    to SMALL_GEMM_ROWS rows (decode, speculative verify) run the fused CPU ops' GEMM over
+    the bf16 weight instead: it reads half the bytes of the float32 copy.
     """
 
     packed: torch.Tensor | None = None  # set by pack()
     compute_dtype: torch.dtype | None = None
     # Below this many rows the plain GEMV beats a float32 one over upcast weights (AVX2).
     min_rows = 0
+    small_gemm: CpuOps | None = None  # few-row bf16 GEMM, where pack() upcasts bf16
 
     def pack(self, dtype: torch.dtype) -> None:
         """Run GEMMs over a oneDNN-packed copy of the weight in `dtype`."""
         self.compute_dtype = dtype
         self.packed = pack_onednn(self.weight.data, dtype)
         self.packed_bias = None if self.bias is None else self.bias.data.to(dtype)
-        self.min_rows = 3 if dtype != self.weight.dtype else 0
+        upcast = dtype != self.weight.dtype
+        self.min_rows = 3 if upcast else 0
+        if upcast and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu":
+            self.weight.data = self.weight.data.contiguous()
+            self.small_gemm = cpu_ops.load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] < self.min_rows:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.small_gemm is not None and _few_bf16_rows(x):
+            return self.small_gemm.gemm_bf16(x, self.weight, self.bias)
+        if x.shape[0] < self.min_rows:
             return F.linear(x, self.weight, self.bias)
         out = linear_onednn(x.to(self.compute_dtype), self.packed, self.packed_bias)
         return out.to(x.dtype)
+
+
+def _few_bf16_rows(x: torch.Tensor) -> bool:
+    """Whether x is [1..SMALL_GEMM_ROWS, in] bf16 (the few-row GEMM's input)."""
+    return x.dim() == 2 and 0 < x.shape[0] <= SMALL_GEMM_ROWS and x.dtype == torch.bfloat16
 
 
 class RowParallelLinear(Linear):
