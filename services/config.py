@@ -85,6 +85,9 @@ class HubConfig:
     download_dir: str = ""
 
 
+QUANTIZATIONS = ("none", "int8")  # ModelConfig.quantization
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to serve and in what precision."""
@@ -113,9 +116,15 @@ class ModelConfig:
     # What the model runs as (vLLM's --runner): "generate" (completions, chat) or "pooling"
     # (embeddings: prefill-only requests pooled per the model's sentence-transformers files).
     runner: Runner = "generate"
+    # Weight-only quantization applied at load: "none", or "int8" (per output channel).
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must name a directory or 'default'")
+        _require(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}",
+        )
         _require(
             self.runner in RUNNERS,
             f"runner must be one of {', '.join(RUNNERS)}, not {self.runner!r}",

@@ -95,6 +95,7 @@ class LLM:
         model: str = "default",
         *,
         dtype: str = "bfloat16",
+        quantization: str | None = None,
         max_model_len: int = 0,
         block_size: int = 16,
         kv_cache_memory: str | int = "2GiB",
@@ -118,7 +119,8 @@ class LLM:
     ) -> None:
         """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`;
         `speculative_config`: vLLM's dict, e.g. {"method": "ngram",
-        "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}."""
+        "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4};
+        `quantization="int8"` quantizes the weights at load (weight-only, per channel)."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
         source = model
@@ -138,6 +140,7 @@ class LLM:
             model=ModelConfig(
                 model=model,
                 dtype=dtype,  # type: ignore[arg-type]
+                quantization=quantization or "none",
                 max_model_len=max_model_len,
                 seed=seed,
                 runner=self.runner,

@@ -104,6 +104,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             served_model_name=args.served_model_name,
             dtype=args.dtype,
             bf16_gemm=args.bf16_gemm,
+            quantization=args.quantization,
             hf_exact_numerics=args.hf_exact_numerics,
             max_model_len=args.max_model_len,
             device=args.device,

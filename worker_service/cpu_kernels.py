@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config import ModelConfig
+from services.config import QUANTIZATIONS, ModelConfig
 
 # Flags worth naming in logs and benchmark records, in this order.
 NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
@@ -132,6 +132,13 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "native", "float32"],
         help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="weight-only quantization at load: int8 (per output channel) reads a byte a weight",
     )
     parser.add_argument(
         "--hf-exact-numerics",

@@ -37,6 +37,7 @@ from worker_service.loader import load_model
 from worker_service.lora.manager import LoRAManager
 from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
+from worker_service.models.quant import quantize_linears
 from worker_service.multimodal import MultiModalInputs
 from worker_service.parallel import TPGroup
 from worker_service.pooler import Pooler
@@ -63,6 +64,8 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, device)
         self.tp.expert_parallel = config.parallel.enable_expert_parallel
         self.model = load_model(model_dir, self.dtype, device, self.backend, self.tp)
+        if quantize_linears(self.model, config.model.quantization):
+            log.info("weights: %s (weight-only, per output channel)", config.model.quantization)
         if self.dtype == torch.bfloat16 and device.type == "cpu":
             self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))
         arch = self.model.config

@@ -30,18 +30,29 @@ FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf in loops)
 
 
-def compile_flags() -> list[str]:
-    return [*FLAGS, *MARCH.get(torch.backends.cpu.get_cpu_capability(), []), *LIBS]
+def compile_flags(level: str | None = None) -> list[str]:
+    """Flags for `level` (a MARCH key; "" for the compiler's default), by default this CPU's."""
+    level = torch.backends.cpu.get_cpu_capability() if level is None else level
+    return [*FLAGS, *MARCH.get(level, []), *LIBS]
 
 
-def build(source: Path) -> ctypes.CDLL:
-    """The library built from `source` (built now unless a build of it is cached)."""
-    flags = compile_flags()
+def build(source: Path, level: str | None = None) -> ctypes.CDLL:
+    """The library built from `source` for `level` (compile_flags), built now unless cached.
+    Tests build the levels below this CPU's to check each variant of a kernel."""
+    flags = compile_flags(level)
     digest = hashlib.sha256(_text(source) + " ".join(flags).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+    target = cache_root() / "kernels" / f"{build_stem(source, level)}-{digest}.so"
     if not target.exists():
         _compile(source, target, flags)
     return ctypes.CDLL(str(target))
+
+
+def build_stem(source: Path, level: str | None = None) -> str:
+    """The file name of `source`'s builds for `level` before the digest: one build is kept
+    per source and level (a new source replaces the older build of its level)."""
+    if level is None:
+        return source.stem
+    return f"{source.stem}.{level.lower() or 'portable'}"
 
 
 def _text(source: Path) -> bytes:
@@ -52,6 +63,7 @@ def _text(source: Path) -> bytes:
 
 
 def _compile(source: Path, target: Path, flags: list[str]) -> None:
+    stem = target.name.rsplit("-", 1)[0]
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++) found")
@@ -65,7 +77,7 @@ def _compile(source: Path, target: Path, flags: list[str]) -> None:
         os.replace(tmp, target)  # atomic: concurrent builders each publish a whole file
     finally:
         Path(tmp).unlink(missing_ok=True)
-    for stale in target.parent.glob(f"{source.stem}-*.so"):  # older sources or flags
+    for stale in target.parent.glob(f"{stem}-*.so"):  # older sources or flags, same level
         if stale != target:
             stale.unlink(missing_ok=True)
     log.info("built %s: %s", source.name, target)

@@ -18,7 +18,7 @@ from worker_service.input_batch import InputBatch
 from worker_service.loader import load_model
 from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
-from worker_service.models.layers import Linear, RMSNorm, RotaryEmbedding
+from worker_service.models.layers import RMSNorm, RotaryEmbedding
 from worker_service.models.llama import LlamaForCausalLM
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -79,48 +79,6 @@ def test_silu_mul(ops: cpu_ops.CpuOps, dtype: torch.dtype, n: int) -> None:
     gate_up = (torch.randn(n, 2 * 1536) * 3).to(dtype)
     gate, up = gate_up.split(1536, dim=-1)
     _assert_matches(ops.silu_mul(gate_up), F.silu(gate) * up)
-
-
-@pytest.mark.parametrize("rows", range(1, cpu_ops.SMALL_GEMM_ROWS + 1))
-@pytest.mark.parametrize(("n", "k"), [(1, 7), (67, 33), (3072, 576), (576, 1536)])
-def test_gemm_bf16_equals_float32_matmul_of_the_bf16_values(
-    ops: cpu_ops.CpuOps, rows: int, n: int, k: int
-) -> None:
-    """Odd shapes cover the tails of the vector loop (k) and of the column chunks (n)."""
-    torch.manual_seed(rows * n + k)
-    x, w, b = (torch.randn(*shape).bfloat16() for shape in ((rows, k), (n, k), (n,)))
-    _assert_float32_sums_rounded(ops.gemm_bf16(x, w, b), x, w, b)
-    _assert_float32_sums_rounded(ops.gemm_bf16(x, w, None), x, w, None)
-
-
-def test_gemm_bf16_refuses_too_many_rows(ops: cpu_ops.CpuOps) -> None:
-    w = torch.randn(4, 8).bfloat16()
-    with pytest.raises(ValueError, match="gemm_bf16"):
-        ops.gemm_bf16(torch.randn(cpu_ops.SMALL_GEMM_ROWS + 1, 8).bfloat16(), w, None)
-
-
-def _assert_float32_sums_rounded(
-    ours: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-) -> None:
-    """ours = x @ w.T + b summed in float32 (any order), rounded once to bf16: within half
-    a bf16 ulp of the exact value plus float32 summation error over the k products."""
-    assert ours.dtype == torch.bfloat16 and ours.shape == (x.shape[0], w.shape[0])
-    exact = x.double() @ w.double().T + (0 if b is None else b.double())
-    magnitude = x.double().abs() @ w.double().abs().T
-    bound = 2**-8 * exact.abs() + x.shape[1] * 2**-23 * magnitude
-    assert ((ours.double() - exact).abs() <= bound).all()
-
-
-@pytest.mark.parametrize("rows", [1, 5, cpu_ops.SMALL_GEMM_ROWS, 9, 40])
-def test_upcast_linear_takes_the_few_row_gemm_up_to_its_rows(rows: int) -> None:
-    """A bf16 Linear packed to float32 (AVX2's choice) gives one result whichever GEMM its
-    row count picks: the few-row bf16 GEMM or oneDNN's float32 one."""
-    torch.manual_seed(rows)
-    linear = Linear(96, 80, bias=True).bfloat16()
-    x = torch.randn(rows, 96).bfloat16()
-    linear.pack(torch.float32)
-    assert (linear.small_gemm is not None) == (cpu_ops.load() is not None)
-    _assert_float32_sums_rounded(linear(x), x, linear.weight, linear.bias)
 
 
 @pytest.fixture(scope="module")

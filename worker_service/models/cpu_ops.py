@@ -1,5 +1,6 @@
 """Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up,
-the sampler's grammar bitmask, and a GEMM of a few rows over bf16 weights (`small_gemm.h`).
+the sampler's grammar bitmask, and the GEMMs bound by reading the weight (`small_gemm.h`):
+a few rows over bf16 weights, any rows over int8 weights.
 
 At small batches a decode step is dominated by the dispatch of many tiny torch ops;
 each of these replaces 3-8 of them with one ctypes call that keeps HF's bf16 rounding
@@ -48,18 +49,29 @@ _SIGNATURES: dict[str, list[Any]] = {
     ],
     # x, w, bias, out, rows, K, N, num_threads
     "tessera_gemm_bf16": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
+    # dtype, x, w, scale, bias, out, rows, K, N, num_threads
+    "tessera_gemm_int8": [
+        ctypes.c_int, *[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 3, ctypes.c_int,
+    ],
 }  # fmt: skip
-SMALL_GEMM_ROWS = 8  # small_gemm.h's kSmallRows
+# Up to this many rows the bf16 GEMM beats oneDNN's float32 one over an upcast copy (AVX2).
+SMALL_GEMM_ROWS = 8
 
 
 @functools.cache
 def load() -> CpuOps | None:
     """The fused ops, or None when this machine cannot build them."""
     try:
-        lib = native.build(SOURCE)
+        return build()
     except (OSError, subprocess.CalledProcessError) as exc:
         log.warning("fused CPU ops unavailable (%s); using torch ops", exc)
         return None
+
+
+def build(level: str | None = None) -> CpuOps:
+    """The ops built for `level` (native.compile_flags; default this CPU's). Raises where
+    they cannot be built."""
+    lib = native.build(SOURCE, level)
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = ctypes.c_int
@@ -138,15 +150,39 @@ class CpuOps:
     def gemm_bf16(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [rows <= SMALL_GEMM_ROWS, K] @ weight [N, K].T + bias [N] -> [rows, N], all bf16,
-        summed in float32 (F.linear's result up to the order of the sums)."""
+        """x [rows, K] @ weight [N, K].T + bias [N] -> [rows, N], all bf16, summed in
+        float32 (F.linear's result up to the order of the sums); for rows <= SMALL_GEMM_ROWS."""
         x = x.contiguous()
         assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
         assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
         out = x.new_empty(x.shape[0], weight.shape[0])
         status = self.lib.tessera_gemm_bf16(
-            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads(),
+            x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0],
+            x.shape[1], weight.shape[0], torch.get_num_threads(),
         )  # fmt: skip
         _check(status, "gemm_bf16")
         return out
+
+    def gemm_int8(
+        self,
+        x: torch.Tensor,  # [rows, K] float32 or bf16
+        qweight: torch.Tensor,  # [N, K] int8
+        scales: torch.Tensor,  # [N] float32
+        bias: torch.Tensor | None,  # [N] in x's dtype
+    ) -> torch.Tensor:
+        """scales * (x @ qweight.T) + bias -> [rows, N] in x's dtype, summed in float32."""
+        x = x.contiguous()
+        assert qweight.dtype == torch.int8 and qweight.is_contiguous()
+        assert scales.dtype == torch.float32 and scales.is_contiguous()
+        assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+        out = x.new_empty(x.shape[0], qweight.shape[0])
+        status = self.lib.tessera_gemm_int8(
+            DTYPES[x.dtype], x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(bias),
+            out.data_ptr(), x.shape[0], x.shape[1], qweight.shape[0], torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, "gemm_int8")
+        return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -15,6 +15,7 @@ from torch import nn
 
 from worker_service.models import cpu_ops
 from worker_service.models.cpu_ops import SMALL_GEMM_ROWS, CpuOps
+from worker_service.models.quant import Int8Weight
 from worker_service.models.rope import RotaryEmbedding  # noqa: F401 (re-exported)
 from worker_service.parallel import TPGroup
 
@@ -69,9 +70,18 @@ class Linear(nn.Linear):
     # Below this many rows the plain GEMV beats a float32 one over upcast weights (AVX2).
     min_rows = 0
     small_gemm: CpuOps | None = None  # few-row bf16 GEMM, where pack() upcasts bf16
+    quant: Int8Weight | None = None  # set by quantize(): the weight lives there instead
+
+    def quantize(self) -> None:
+        """Keep the weight as int8 rows and scales (quant.Int8Weight); drop the float copy."""
+        self.quant = Int8Weight.quantize(self.weight.data, cpu_ops.load())
+        # Rebound, not emptied in place: a tied LM head shares its Parameter with the embedding.
+        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def pack(self, dtype: torch.dtype) -> None:
         """Run GEMMs over a oneDNN-packed copy of the weight in `dtype`."""
+        if self.quant is not None:
+            return
         self.compute_dtype = dtype
         self.packed = pack_onednn(self.weight.data, dtype)
         self.packed_bias = None if self.bias is None else self.bias.data.to(dtype)
@@ -82,6 +92,8 @@ class Linear(nn.Linear):
             self.small_gemm = cpu_ops.load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if self.small_gemm is not None and _few_bf16_rows(x):

@@ -1,17 +1,21 @@
-// A GEMM of a few rows over bf16 weights, for CPUs without bf16 dot products (AVX2,
-// AVX-512F): out[m, n] = bias[n] + sum_k x[m, k] w[n, k], m < kSmallRows.
+// GEMMs bound by reading the weight, for CPUs without bf16 dot products (AVX2, AVX-512F):
+// out[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n], float32 sums.
 //
-// At a few rows a GEMM is bound by reading the weight. oneDNN's float32 GEMM over an
-// upcast copy reads 4 bytes a weight; this reads the bf16 weight (2 bytes), widens it in
-// registers and keeps float32 sums, so 1-8 rows (a decode batch, a speculative verify)
-// cost about what one row does. Products of bf16 values are exact in float32; only the
-// order of the float32 sums differs from a float32 GEMM.
+// - bf16 weights at a few rows (decode, a speculative verify): oneDNN's float32 GEMM over
+//   an upcast copy reads 4 bytes a weight; this reads the bf16 weight (2 bytes) and widens
+//   it in registers, so 1-8 rows cost about what one row does. Products of bf16 values are
+//   exact in float32; only the order of the float32 sums differs.
+// - int8 weights with a float32 scale per output row (weight-only int8), at any row count:
+//   one byte a weight. Rows are taken 8 at a time over each chunk of weight rows, so the
+//   chunk is read from memory once and from cache for the other row blocks.
 //
-// Layouts (row-major, bf16 as uint16_t): x, out [rows, K] and [rows, N]; w [N, K]; bias [N].
+// Layouts (row-major): x, out [rows, K] and [rows, N] (float32 or bf16 as uint16_t, one
+// type for x, bias and out); w [N, K] (bf16 or int8); scale [N] float32 or null (1); bias
+// [N] or null.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "bf16.h"
@@ -22,7 +26,7 @@
 
 namespace small_gemm {
 
-constexpr int kSmallRows = 8;
+constexpr int kRowBlock = 8;  // rows whose sums stay in registers together
 
 #if defined(__AVX512F__)
 struct Vec {  // 16 float32 lanes
@@ -33,6 +37,10 @@ struct Vec {  // 16 float32 lanes
   static V load(const uint16_t* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static V load(const int8_t* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
@@ -46,6 +54,10 @@ struct Vec {  // 8 float32 lanes
   static V load(const uint16_t* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static V load(const int8_t* p) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
   }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(V v) {
@@ -61,15 +73,19 @@ struct Vec {  // portable: one lane
   static V zero() { return 0.0f; }
   static V load(const float* p) { return *p; }
   static V load(const uint16_t* p) { return widen(*p); }
+  static V load(const int8_t* p) { return float(*p); }
   static V fma(V a, V b, V c) { return a * b + c; }
   static float sum(V v) { return v; }
 };
 #endif
 
-// sums[m] = x[m] . w for M rows of x and one weight row: M sums in registers. (Several
-// weight rows at once measured slower: the loop is bound by reading w.)
-template <int M>
-inline void dot_rows(const float* x, const uint16_t* w, int64_t K, float (&sums)[M]) {
+inline float weight_value(uint16_t w) { return widen(w); }
+inline float weight_value(int8_t w) { return float(w); }
+
+// sums[m] = x[m] . w for M rows of x (float32) and one weight row: M sums in registers.
+// (Several weight rows at once measured slower: the loop is bound by reading w.)
+template <int M, typename TW>
+inline void dot_rows(const float* x, const TW* w, int64_t K, float (&sums)[M]) {
   typename Vec::V acc[M];
   for (int m = 0; m < M; ++m) acc[m] = Vec::zero();
   int64_t k = 0;
@@ -79,48 +95,63 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, float (&sums)
   }
   for (int m = 0; m < M; ++m) {
     float s = Vec::sum(acc[m]);
-    for (int64_t t = k; t < K; ++t) s += x[m * K + t] * widen(w[t]);
+    for (int64_t t = k; t < K; ++t) s += x[m * K + t] * weight_value(w[t]);
     sums[m] = s;
   }
 }
 
-// Columns [n0, n1) of out for M rows.
-template <int M>
-void columns(const float* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t K,
-             int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    float sums[M];
-    dot_rows<M>(x, w + n * K, K, sums);
-    const float b = bias ? widen(bias[n]) : 0.0f;
-    for (int m = 0; m < M; ++m) store(sums[m] + b, out + m * N + n);
-  }
-}
+template <typename TX, typename TW>
+struct Gemm {
+  const float* x;  // [rows, K], widened
+  const TW* w;
+  const float* scale;
+  const TX* bias;
+  TX* out;
+  int64_t K, N;
 
-template <int M>
-void gemm_rows(const float* x, const uint16_t* w, const uint16_t* bias, uint16_t* out,
-               int64_t K, int64_t N, int num_threads) {
-  constexpr int64_t kChunk = 64;  // columns per task: a few KB of weight rows each
+  // Rows [r0, r0 + M) of out, columns [n0, n1).
+  template <int M>
+  void block(int64_t r0, int64_t n0, int64_t n1) const {
+    for (int64_t n = n0; n < n1; ++n) {
+      float sums[M];
+      dot_rows<M>(x + r0 * K, w + n * K, K, sums);
+      const float s = scale ? scale[n] : 1.0f;
+      const float b = bias ? widen(bias[n]) : 0.0f;
+      for (int m = 0; m < M; ++m) store(sums[m] * s + b, out + (r0 + m) * N + n);
+    }
+  }
+
+  void rows_block(int64_t r0, int64_t rows, int64_t n0, int64_t n1) const {
+    switch (rows) {  // M is a template argument so that the M sums live in registers
+      case 1: return block<1>(r0, n0, n1);
+      case 2: return block<2>(r0, n0, n1);
+      case 3: return block<3>(r0, n0, n1);
+      case 4: return block<4>(r0, n0, n1);
+      case 5: return block<5>(r0, n0, n1);
+      case 6: return block<6>(r0, n0, n1);
+      case 7: return block<7>(r0, n0, n1);
+      default: return block<8>(r0, n0, n1);
+    }
+  }
+};
+
+// out = scale * (x @ w.T) + bias for any rows >= 1; false if rows < 1.
+template <typename TX, typename TW>
+bool gemm(const TX* x, const TW* w, const float* scale, const TX* bias, TX* out, int64_t rows,
+          int64_t K, int64_t N, int num_threads) {
+  if (rows < 1) return false;
+  std::vector<float> xf(rows * K);  // widened once: every weight row reads all of x
+  for (int64_t i = 0; i < rows * K; ++i) xf[i] = widen(x[i]);
+  const Gemm<TX, TW> g{xf.data(), w, scale, bias, out, K, N};
+  constexpr int64_t kChunk = 64;  // weight rows per task: a few KB to tens of KB
   const int64_t chunks = (N + kChunk - 1) / kChunk;
-  const int threads = N * K >= (int64_t(1) << 16) ? num_threads : 1;
+  const int threads = rows * N * K >= (int64_t(1) << 16) ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < chunks; ++i) {
-    const int64_t n1 = (i + 1) * kChunk < N ? (i + 1) * kChunk : N;
-    columns<M>(x, w, bias, out, K, N, i * kChunk, n1);
+    const int64_t n0 = i * kChunk, n1 = std::min(N, n0 + kChunk);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+      g.rows_block(r0, std::min<int64_t>(kRowBlock, rows - r0), n0, n1);
   }
-}
-
-// rows in [1, kSmallRows]; returns false for any other row count.
-inline bool gemm(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out,
-                 int64_t rows, int64_t K, int64_t N, int num_threads) {
-  if (rows < 1 || rows > kSmallRows) return false;
-  std::vector<float> xf(rows * K);  // widened once: every column reads all of x
-  for (int64_t i = 0; i < rows * K; ++i) xf[i] = widen(x[i]);
-  using Fn = void (*)(const float*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
-                      int64_t, int);
-  static constexpr Fn kByRows[kSmallRows] = {gemm_rows<1>, gemm_rows<2>, gemm_rows<3>,
-                                             gemm_rows<4>, gemm_rows<5>, gemm_rows<6>,
-                                             gemm_rows<7>, gemm_rows<8>};
-  kByRows[rows - 1](xf.data(), w, bias, out, K, N, num_threads);
   return true;
 }
 
