@@ -1,5 +1,6 @@
-"""Tiny random Qwen2-VL through the offline LLM: dynamic resolution (images of different
-sizes get different patch grids), M-RoPE positions, whole and chunked prefill, prefix
+"""Tiny random Qwen2-VL and Qwen2.5-VL (windowed vision attention) through the offline
+LLM: dynamic resolution (images of different sizes get different patch grids), M-RoPE
+positions, whole and chunked prefill, prefix
 caching keyed on the image, and preemption with recompute: greedy tokens equal HF
 generate's, and no KV block is left in use."""
 
@@ -22,7 +23,7 @@ from tests.multimodal.tiny_vlm import sample_image
 MAX_TOKENS = 12
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 BUDGETS = {"whole": 2048, "chunked": 10}  # chunked: an image's 9..20 tokens span steps
-KINDS = ["qwen2_vl"]
+KINDS = ["qwen2_vl", "qwen2_5_vl"]
 BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # block 16 x layers x (k, v) x kv heads x head_dim x f32
 
 PROMPTS: list[tuple[str, list[Image.Image]]] = [

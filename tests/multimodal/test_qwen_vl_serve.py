@@ -1,4 +1,4 @@
-"""Tiny random Qwen2-VL through `tessera serve --dtype float32`, whole and chunked prefill,
+"""Tiny random Qwen2-VL and Qwen2.5-VL through `tessera serve --dtype float32`, whole and chunked prefill,
 driven by the official openai client: greedy chats with images of different sizes equal
 HF generate token for token; a burst of image requests, some dropped mid-stream, leaves
 no KV block in use."""

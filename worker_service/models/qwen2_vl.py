@@ -1,4 +1,5 @@
-"""Qwen2-VL: its vision transformer (qwen2_vl_vision) and a Qwen2 decoder (q/k/v bias)
+"""Qwen2-VL and Qwen2.5-VL: their vision transformers (qwen2_vl_vision,
+qwen2_5_vl_vision) and a Qwen2 decoder (q/k/v bias)
 whose rotary embedding is M-RoPE, on the paged-attention path.
 
 The runner passes positions [3, num_tokens] (temporal, height, width; see
@@ -15,6 +16,7 @@ import torch
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig
 from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 from worker_service.models.qwen2_vl_vision import Qwen2VisionTransformer
 from worker_service.models.rope import MRotaryEmbedding
 from worker_service.parallel import TPGroup
@@ -75,3 +77,12 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             for pixels, grid in zip(pixel_values, grid_thw, strict=True)
         ]
         return out
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2_5_VLForConditionalGeneration: the same decoder and M-RoPE (still images have
+    no temporal spacing), a vision tower with windowed attention and RMSNorm."""
+
+    @staticmethod
+    def build_vision(vision: dict[str, object]) -> torch.nn.Module:
+        return Qwen2_5_VisionTransformer(vision)
