@@ -17,7 +17,7 @@ from services.types import SamplingParams
 from tests.multimodal.conftest import offline_llm
 from tests.multimodal.hf_vlm import hf_chat_prompt, hf_vlm_greedy
 from tests.multimodal.test_vlm_offline import _image_part
-from tests.multimodal.tiny_qwen_vl import IMAGE, build_tiny_qwen_vl
+from tests.multimodal.tiny_qwen_vl import IMAGE, MAX_PIXELS, build_tiny_qwen_vl, to_flat_layout
 from tests.multimodal.tiny_vlm import sample_image
 
 MAX_TOKENS = 12
@@ -63,6 +63,7 @@ def test_images_of_different_sizes_get_different_grids(qwen_dir: Path) -> None:
 
     processor = MultiModalProcessor.load(qwen_dir)
     assert processor is not None
+    assert processor.resize_rule.max_pixels == MAX_PIXELS  # the gateway's size bound
     text, images = PROMPTS[1]
     prepared = processor.prepare(text, images, mode="inline")
     try:
@@ -147,3 +148,15 @@ def test_preemption_recomputes_and_frees_every_block(qwen_dir: Path) -> None:
 def test_image_changes_the_output(llm: Any) -> None:
     outs = llm.generate(_requests([(f"{IMAGE} what?", [sample_image(s)]) for s in (6, 7)]), PARAMS)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_flat_hub_layout_loads_the_same_model(qwen_dir: Path, tmp_path: Path) -> None:
+    """The Hub's older layout (flat config, rope_scaling type "mrope", model.layers.* and
+    visual.* tensors) serves the same model."""
+    flat = to_flat_layout(qwen_dir, tmp_path / "flat")
+    llm = next(offline_llm(flat, 2048))
+    try:
+        outs = llm.generate(_requests(PROMPTS[:2]), PARAMS)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == _expected(qwen_dir, PROMPTS[:2])

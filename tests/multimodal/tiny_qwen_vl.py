@@ -109,3 +109,28 @@ def _classes(kind: str) -> tuple[Any, Any]:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+
+def to_flat_layout(src: Path, dst: Path) -> Path:
+    """A copy of a tiny Qwen VL directory in the Hub's older layout (Qwen2-VL-2B-Instruct's):
+    the text config flat at the top with `rope_scaling: {"type": "mrope", ...}`, tensors
+    named model.layers.* / visual.* / lm_head.*."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {k: v for k, v in text.items() if k not in ("model_type", "layer_types")}
+    flat["rope_theta"] = rope["rope_theta"]
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    (dst / "config.json").write_text(json.dumps({**config, **flat}))
+    tensors = load_file(str(src / "model.safetensors"))
+    renamed = {
+        name.replace("model.language_model.", "model.").replace("model.visual.", "visual."): t
+        for name, t in tensors.items()
+    }
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
