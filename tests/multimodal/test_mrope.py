@@ -90,3 +90,18 @@ def test_a_grid_that_does_not_fit_the_placeholders_is_refused() -> None:
     item = MultiModalInput("image", 1, 5, "h", None, [1, 4, 4])  # 4 tokens, not 5
     with pytest.raises(ValueError, match="4 tokens, not 5"):
         mrope_positions(8, [item], MERGE)
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"mrope_section": (2, 3, 2)}, "must sum to 8"),
+        ({"rope_type": "dynamic", "factor": 2.0, "mrope_section": (2, 3, 3)}, "not implemented"),
+    ],
+)
+def test_mrope_configs_it_cannot_serve_are_refused(rope: dict[str, Any], message: str) -> None:
+    from worker_service.models.config import RopeConfig
+    from worker_service.models.rope import MRotaryEmbedding
+
+    with pytest.raises(ValueError, match=message):
+        MRotaryEmbedding(16, 64, RopeConfig(**rope))

@@ -220,6 +220,8 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__(head_dim, max_positions, rope)
+        if rope.length_dependent:
+            raise ValueError(f"M-RoPE with rope_type {rope.rope_type!r} is not implemented")
         if sum(rope.mrope_section) != self.dim // 2:
             raise ValueError(
                 f"mrope_section {list(rope.mrope_section)} must sum to {self.dim // 2} "
