@@ -230,9 +230,9 @@ class MultiModalProcessor:
         config = json.loads((model_dir / "config.json").read_text())
         if "vision_config" not in config:
             return None
-        from transformers import AutoProcessor
+        from gateway.hf_processor import load_hf_processor
 
-        hf = AutoProcessor.from_pretrained(str(model_dir))
+        hf = load_hf_processor(model_dir, config)
         token = str(getattr(hf, "image_token", "<image>"))
         token_id = config.get("image_token_index", config.get("image_token_id"))
         if token_id is None:
@@ -270,17 +270,21 @@ class MultiModalProcessor:
         from services.tensor_handles import export_tensor
 
         ids: list[int] = out["input_ids"][0].tolist()
-        patches = self._patches(images)
-        ranges = self._ranges(ids, patches)
+        grids = _grids(out)
+        patches = [t * h * w for t, h, w in grids] if grids else self._patches(images)
+        ranges = self._ranges(ids, patches, self._merge if grids else 1)
         prepared = PreparedImages(ids)
         try:
-            for image, pixels, (start, end) in zip(
-                images, _per_image(out, patches), ranges, strict=True
+            for i, (image, pixels, (start, end)) in enumerate(
+                zip(images, _per_image(out, patches), ranges, strict=True)
             ):
                 export = export_tensor(pixels.contiguous(), mode)
                 prepared.exports.append(export)
+                grid = list(grids[i]) if grids else []
                 prepared.mm_inputs.append(
-                    MultiModalInput("image", start, end - start, image_hash(image), export.handle)
+                    MultiModalInput(
+                        "image", start, end - start, image_hash(image), export.handle, grid
+                    )
                 )
         except BaseException:
             prepared.close()
@@ -292,10 +296,18 @@ class MultiModalProcessor:
         sizes = [(im.height, im.width) for im in images]
         return list(self.hf._get_num_multimodal_tokens(image_sizes=sizes).num_image_patches)
 
-    def _ranges(self, ids: list[int], patches: list[int]) -> list[tuple[int, int]]:
+    @property
+    def _merge(self) -> int:
+        """Patches per image token of a Qwen2-VL-style processor (merge_size ** 2)."""
+        return int(getattr(self.hf.image_processor, "merge_size", 1)) ** 2
+
+    def _ranges(self, ids: list[int], patches: list[int], merge: int = 1) -> list[tuple[int, int]]:
         """[start, end) of each image's image tokens, splitting them by each image's patch
-        count (adjacent images may form one run of tokens)."""
+        count (adjacent images may form one run of tokens); `merge` patches make one token
+        (Qwen2-VL's 2x2 merging)."""
         positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
+        if merge > 1:
+            patches = [p // merge for p in patches]
         per_patch, rest = divmod(len(positions), sum(patches))
         if rest or per_patch == 0:
             raise InvalidRequest("the processor's image tokens do not match the images")
@@ -305,13 +317,24 @@ class MultiModalProcessor:
         ]
 
 
+def _grids(out: Any) -> list[tuple[int, int, int]]:
+    """Each image's (t, h, w) patch grid (Qwen2-VL's image_grid_thw); [] for other models."""
+    grid = out.get("image_grid_thw")
+    return [] if grid is None else [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
+
+
 def _per_image(out: Any, patches: list[int]) -> list[torch.Tensor]:
     """The processor's pixel values of one prompt split per image: LLaVA [images, 3, H, W]
     -> [3, H, W]; Idefics3 [1, tiles, 3, H, W] (+ pixel_attention_mask [1, tiles, H, W])
-    -> [image's tiles, 4, H, W], the mask as a fourth channel."""
+    -> [image's tiles, 4, H, W], the mask as a fourth channel; Qwen2-VL [patches, C*T*P*P]
+    (all images' patches, flattened) -> [image's t*h*w patches, C*T*P*P]."""
     import torch
 
     pixels: torch.Tensor = out["pixel_values"]
+    if "image_grid_thw" in out:
+        if pixels.dim() != 2 or pixels.shape[0] != sum(patches):
+            raise InvalidRequest(f"unsupported pixel_values layout {list(pixels.shape)}")
+        return list(pixels.split(patches))
     if pixels.dim() == 4 and pixels.shape[0] == len(patches):
         return list(pixels)
     if pixels.dim() != 5 or pixels.shape[:2] != (1, sum(patches)):

@@ -170,6 +170,7 @@ class MultiModalInput:
     length: int = 0
     content_hash: str = ""
     tensor: TensorHandle | None = None
+    grid_thw: list[int] = field(default_factory=list)  # Qwen2-VL: (t, h, w) patches
 
 
 @dataclass(frozen=True, slots=True)

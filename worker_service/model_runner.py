@@ -188,7 +188,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         with torch.inference_mode(), forward_context(step.meta):
             embeds = self.mm.input_embeds(step)  # None without images in this step
-            hidden = self.model(step.input_ids, step.positions, embeds)  # [num_tokens, hidden]
+            positions = self.mm.positions(step)  # [3, num_tokens] M-RoPE with images
+            hidden = self.model(step.input_ids, positions, embeds)  # [num_tokens, hidden]
             t2 = time.perf_counter()
             if self.input_batch.num_pooling:  # embedding requests: pooled, not sampled
                 out.pooler_output = self.pooler.run(step, hidden)

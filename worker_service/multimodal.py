@@ -7,6 +7,9 @@ image token (LLaVA's range is all image tokens; Idefics3 interleaves layout toke
 Embeddings are cached by content hash until every request that needs them has computed
 past its range (chunked prefill may split a range over several steps), and dropped on
 finish, preemption or abort.
+
+M-RoPE models (Qwen2-VL) also get each image request's 3D positions (worker_service.mrope),
+computed when the request arrives (again after a preemption) and kept until it ends.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from services.tensor_handles import map_tensor
 from services.types import MultiModalInput
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.models.llama import LlamaForCausalLM
+from worker_service.mrope import MRopePositions, mrope_positions, step_positions
 
-Encoder = Callable[[torch.Tensor], list[torch.Tensor]]
+Encoder = Callable[..., list[torch.Tensor]]  # (pixels[, grid_thw]) -> rows per image
 
 
 class MultiModalInputs:
@@ -34,17 +38,24 @@ class MultiModalInputs:
         self.input_batch = input_batch
         self.pending: dict[str, list[MultiModalInput]] = {}
         self.cache: dict[str, torch.Tensor] = {}  # content hash -> [num_embeds, hidden]
+        self.uses_mrope: bool = getattr(model, "uses_mrope", False)
+        self.mrope: dict[str, MRopePositions] = {}  # requests with images, M-RoPE models
 
     def add(self, req_id: str, items: list[MultiModalInput], num_computed: int) -> None:
         """Track a new request's items not yet computed; ValueError for a text-only model."""
         if items and self.encoder is None:
             raise ValueError("this model takes no image inputs")
+        if items and self.uses_mrope:
+            prompt_len = self.input_batch.requests[req_id].prompt_len
+            merge = int(getattr(self.model, "spatial_merge_size", 1))
+            self.mrope[req_id] = mrope_positions(prompt_len, items, merge)
         left = [it for it in items if it.offset + it.length > num_computed]
         if left:
             self.pending[req_id] = left
 
     def remove(self, req_id: str) -> None:
         """Forget a finished, preempted or failed request."""
+        self.mrope.pop(req_id, None)
         if self.pending.pop(req_id, None) is not None:
             self._evict()
 
@@ -87,6 +98,17 @@ class MultiModalInputs:
             index = torch.as_tensor(dst, device=embeds.device)
             embeds.index_copy_(0, index, rows[torch.as_tensor(src)].to(embeds))
         return embeds
+
+    def positions(self, step: StepBatch) -> torch.Tensor:
+        """The step's positions for the model: [num_tokens], or [3, num_tokens] M-RoPE
+        positions when a request with images is in the step."""
+        if not self.mrope:
+            return step.positions
+        per_request = [self.mrope.get(state.req_id) for state in step.states]
+        if not any(per_request):
+            return step.positions
+        starts = step.meta.query_start_loc.tolist()
+        return step_positions(step.positions, starts, per_request)
 
     def advance(self, states: list[RequestState]) -> None:
         """After a step: drop items whose range every request has computed past."""
@@ -134,8 +156,11 @@ class MultiModalInputs:
             pixels = mapped.tensor
             assert pixels is not None
             device = self.model.embed_tokens.weight.device
+            grid = {}
+            if item.grid_thw:  # Qwen2-VL: the patch grid travels with the pixels
+                grid["grid_thw"] = torch.tensor([list(item.grid_thw)], device=device)
             with torch.inference_mode():
-                rows = self.encoder(pixels.to(device).unsqueeze(0))[0]  # [num_embeds, hidden]
+                rows = self.encoder(pixels.to(device).unsqueeze(0), **grid)[0]  # [embeds, hidden]
             del pixels
         finally:
             mapped.close()

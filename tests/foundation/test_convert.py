@@ -78,7 +78,9 @@ CUDA = TensorHandle(
 )
 SHM = TensorHandle(dtype="uint8", shape=(2, 2), shared_memory=SharedMemoryLocation("psm_1", 64, 4))
 INLINE = TensorHandle(dtype="float32", shape=(1,), inline_bytes=b"\x00\x00\x80?")
-MM = MultiModalInput(modality="image", offset=3, length=64, content_hash="abc", tensor=CUDA)
+MM = MultiModalInput(
+    modality="image", offset=3, length=64, content_hash="abc", tensor=CUDA, grid_thw=[1, 8, 16]
+)
 LORA = LoRARequest("sql", 3, "/adapters/sql")
 
 CASES: list[Any] = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,13 @@ from PIL import Image
 
 @cache
 def _hf(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
+
+    from gateway.hf_processor import load_hf_processor
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    return model, load_hf_processor(model_dir, config)  # (Qwen2-VL's without torchvision)
 
 
 def hf_vlm_greedy(

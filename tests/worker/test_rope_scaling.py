@@ -92,16 +92,23 @@ def _config_dir(tmp_path: Path, **fields: Any) -> Path:
     ("fields", "message"),
     [
         ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "'proportional'"),
-        (
-            {"rope_scaling": {"type": "linear", "factor": 2.0, "mrope_section": [1]}},
-            "mrope_section",
-        ),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "long_factor"),
     ],
 )
 def test_unknown_rope_is_refused(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         read_model_config(_config_dir(tmp_path, **fields))
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_mrope_is_refused_by_text_families(tmp_path: Path, architecture: str) -> None:
+    """M-RoPE is read from the config but only the Qwen2-VL classes serve it."""
+    from worker_service.models.registry import check_features, model_class
+
+    rope = {"type": "linear", "factor": 2.0, "mrope_section": [1]}
+    cfg = read_model_config(_config_dir(tmp_path, rope_scaling=rope))
+    with pytest.raises(ValueError, match="mrope_section"):
+        check_features(model_class(architecture), cfg)
 
 
 def test_length_dependent_rope_turns_prefix_caching_off(rope_model: Path) -> None:

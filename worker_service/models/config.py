@@ -13,7 +13,7 @@ ROPE_KEYS = frozenset(
     {"rope_theta", "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor"}
     | {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow"}
     | {"mscale", "mscale_all_dim", "truncate", "short_factor", "long_factor"}
-    | {"partial_rotary_factor"}
+    | {"partial_rotary_factor", "mrope_section"}
 )
 
 
@@ -38,6 +38,9 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()  # longrope, one per rotary frequency
     long_factor: tuple[float, ...] = ()  # longrope
     partial_rotary_factor: float = 1.0  # the first int(head_dim * this) dims rotate
+    # M-RoPE (Qwen2-VL): rotary frequencies per position axis (temporal, height, width);
+    # served only by the classes that declare the "mrope_section" feature.
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -118,6 +121,8 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConf
     if unknown:
         raise ValueError(f"unsupported rope_scaling key(s) {unknown} in config.json")
     rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type == "mrope":
+        rope_type = "default"  # Qwen2-VL's old name, as transformers reads it
     if rope_type in ("su", "yarn") and cfg.get("model_type") == "phi3":
         rope_type = "longrope"  # Phi-3's old names, as transformers reads them
     max_pos = int(cfg.get("max_position_embeddings", 2048))
@@ -144,6 +149,8 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConf
     for key in ("short_factor", "long_factor"):
         if params.get(key):
             values[key] = tuple(float(v) for v in params[key])
+    if params.get("mrope_section"):
+        values["mrope_section"] = tuple(int(v) for v in params["mrope_section"])
     return RopeConfig(**values)
 
 
@@ -215,6 +222,10 @@ _FEATURE_TESTS = {
     "hidden_act": lambda c: c.get("hidden_act") not in (None, "silu"),
     "hidden_activation": lambda c: c.get("hidden_activation") not in (None, "gelu_pytorch_tanh"),
     "no_rope_layers": lambda c: not all(c.get("no_rope_layers") or [1]),
+    "mrope_section": lambda c: bool(
+        isinstance(r := c.get("rope_parameters") or c.get("rope_scaling"), dict)
+        and r.get("mrope_section")
+    ),
 }
 
 

@@ -18,6 +18,10 @@ from worker_service.models.moe_models import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from worker_service.models.qwen2_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -30,6 +34,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

@@ -210,3 +210,35 @@ def sequence_lengths(positions: torch.Tensor) -> torch.Tensor:
         torch.tensor(meta.query_lens_cpu, dtype=torch.int64),
     ).to(positions.device)
     return torch.maximum(lengths, prompt)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): each token has a (temporal, height, width) position; the rotary
+    frequencies are split by `mrope_section` and section i rotates with axis i % 3, as HF's
+    Qwen2VLRotaryEmbedding recomposes them. Positions [num_tokens] mean all three axes
+    equal (text), which is plain RoPE."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__(head_dim, max_positions, rope)
+        if rope.length_dependent:
+            raise ValueError(f"M-RoPE with rope_type {rope.rope_type!r} is not implemented")
+        if sum(rope.mrope_section) != self.dim // 2:
+            raise ValueError(
+                f"mrope_section {list(rope.mrope_section)} must sum to {self.dim // 2} "
+                "(half the rotary dims)"
+            )
+        axis = [i % 3 for i, n in enumerate(rope.mrope_section) for _ in range(n)]
+        self.axis: torch.Tensor  # [rotary_dim // 2]: the position axis of each frequency
+        self.register_buffer("axis", torch.tensor(axis), persistent=False)
+
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] or [3, num_tokens] -> cos, sin [num_tokens, 1, dim // 2]."""
+        if positions.dim() == 1:
+            return super().lookup(positions, dtype)
+        index = positions.T.gather(1, self.axis.expand(positions.shape[1], -1))  # [n, d/2]
+        freq = torch.arange(self.dim // 2, device=positions.device).expand_as(index)
+        cos = self.cos_table[index, freq]
+        sin = self.sin_table[index, freq]
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
