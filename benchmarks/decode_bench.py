@@ -49,8 +49,10 @@ def _prompt(i: int, n: int) -> list[int]:
 class WorkerBench:
     """Drives a Worker directly with hand-built SchedulerOutputs."""
 
-    def __init__(self, dtype: Literal["bfloat16", "float32"]) -> None:
-        self.worker = Worker(WorkerConfig(model=ModelConfig(dtype=dtype)))
+    def __init__(self, dtype: Literal["bfloat16", "float32"], quantization: str = "none") -> None:
+        self.worker = Worker(
+            WorkerConfig(model=ModelConfig(dtype=dtype, quantization=quantization))
+        )
         self.worker.initialize_cache(1024)
         self.step = 0
 

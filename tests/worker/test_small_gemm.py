@@ -1,16 +1,17 @@
-"""The weight-bound GEMMs of small_gemm.h (bf16 weights at a few rows, int8 weights at any
-rows) against a float64 matmul of the same weight values, on every build this CPU runs:
-the portable loops, AVX2 and, where the CPU has it, AVX-512; and the Linear layers that
-choose them (packed bf16, weight-only int8)."""
+"""The weight-bound GEMMs (small_gemm.h: bf16 weights at a few rows; gguf_gemm.h: GGUF's
+Q4_0 / Q4_1 / Q8_0 blocks at any rows) against a float64 matmul of the same weight values
+(the blocks dequantized as the gguf package does), on every build this CPU runs: the
+portable loops, AVX2 and, where the CPU has it, AVX-512; and the Linear layers that choose
+them (packed bf16, weight-only int8)."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
-from worker_service.models import cpu_ops
+from worker_service.models import cpu_ops, quant
 from worker_service.models.layers import Linear
-from worker_service.models.quant import Int8Weight
 
 # GEMM shapes [N, K]: odd ones cover the tails of the vector loop (K) and of the chunks (N).
 SHAPES = [(1, 7), (67, 33), (3072, 576), (576, 1536)]
@@ -55,33 +56,62 @@ def test_gemm_bf16(ops: cpu_ops.CpuOps, rows: int, n: int, k: int) -> None:
     _assert_float32_sums_rounded(ops.gemm_bf16(x, w, None), exact, magnitude)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_gemm_int8_equals_dequantize_then_matmul(
-    ops: cpu_ops.CpuOps, dtype: torch.dtype, rows: int, n: int, k: int
-) -> None:
-    torch.manual_seed(rows * n + k)
-    weight = Int8Weight.quantize(torch.randn(n, k), ops)
-    x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
-    w = weight.dequantize(torch.float64)
-    exact = x.double() @ w.T
-    magnitude = x.double().abs() @ w.abs().T
-    ours = ops.gemm_int8(x, weight.qweight, weight.scales, b)
-    assert ours.dtype == dtype
-    _assert_float32_sums_rounded(ours, exact + b.double(), magnitude)
-    _assert_float32_sums_rounded(
-        ops.gemm_int8(x, weight.qweight, weight.scales, None), exact, magnitude
+def random_blocks(ggml_type: int, n: int, k: int) -> torch.Tensor:
+    """[n, k / 32 * bytes] uint8 of random values and scales (finite, small halves)."""
+    raw = torch.randint(
+        0, 256, (n, k // quant.BLOCK, quant.BLOCK_BYTES[ggml_type]), dtype=torch.uint8
+    )
+    halves = 2 if ggml_type == quant.Q4_1 else 1  # d (and m)
+    scales = (torch.rand(n, k // quant.BLOCK, halves) * 0.02 - 0.005).half()
+    raw[..., : 2 * halves] = scales.view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("ggml_type", list(quant.BLOCK_BYTES), ids=quant.TYPE_NAMES.get)
+def test_dequantize_blocks_equals_the_gguf_package(ggml_type: int) -> None:
+    blocks = random_blocks(ggml_type, 5, 96)
+    theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type))
+    torch.testing.assert_close(
+        quant.dequantize_blocks(blocks, ggml_type), torch.from_numpy(theirs), atol=0, rtol=0
     )
 
 
-def test_int8_quantization_is_per_row_symmetric() -> None:
-    w = torch.randn(5, 64) * torch.tensor([1e-3, 0.1, 1.0, 10.0, 0.0])[:, None]
-    q = Int8Weight.quantize(w, None)
-    assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() <= 127
-    assert (q.qweight[:4].abs().amax(dim=1) == 127).all() and (q.qweight[4] == 0).all()
-    rel = (q.dequantize(torch.float32) - w).abs().amax(dim=1)[:4] / w[:4].abs().amax(dim=1)
-    assert (rel <= 0.5 / 127 + 1e-6).all()  # at most half a step of each row's scale
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (67, 96), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize("ggml_type", list(quant.BLOCK_BYTES), ids=quant.TYPE_NAMES.get)
+def test_gemm_gguf_equals_dequantize_then_matmul(
+    ops: cpu_ops.CpuOps, ggml_type: int, dtype: torch.dtype, rows: int, n: int, k: int
+) -> None:
+    torch.manual_seed(rows * n + k)
+    blocks = random_blocks(ggml_type, n, k)
+    x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    w = quant.dequantize_blocks(blocks, ggml_type).double()
+    exact = x.double() @ w.T
+    magnitude = x.double().abs() @ w.abs().T
+    ours = ops.gemm_gguf(x, blocks, ggml_type, b)
+    assert ours.dtype == dtype
+    _assert_float32_sums_rounded(ours, exact + b.double(), magnitude)
+    _assert_float32_sums_rounded(ops.gemm_gguf(x, blocks, ggml_type, None), exact, magnitude)
+
+
+def test_gemm_gguf_refuses_partial_blocks_and_unknown_types(ops: cpu_ops.CpuOps) -> None:
+    x = torch.randn(2, 48)
+    with pytest.raises(ValueError, match="gemm_gguf"):
+        ops.gemm_gguf(x, torch.zeros(4, 34 + 17, dtype=torch.uint8), quant.Q8_0, None)
+    with pytest.raises(ValueError, match="gemm_gguf"):
+        ops.gemm_gguf(x[:, :32], torch.zeros(4, 34, dtype=torch.uint8), 12, None)  # Q4_K
+
+
+def test_q8_0_quantization_is_symmetric_per_block() -> None:
+    w = torch.randn(4, 64) * torch.tensor([1e-3, 0.1, 1.0, 0.0])[:, None]
+    q = quant.BlockWeight.quantize_q8_0(w, None)
+    assert q.ggml_type == quant.Q8_0 and q.blocks.shape == (4, 68)
+    values = q.blocks.reshape(4, 2, 34)[..., 2:].contiguous().view(torch.int8)
+    assert (values[:3].abs().amax(dim=2) == 127).all() and (values[3] == 0).all()
+    err = (q.dequantize(torch.float32) - w).abs().reshape(4, 2, 32).amax(dim=2)
+    step = w.abs().reshape(4, 2, 32).amax(dim=2) / 127
+    assert (err <= 0.5 * step * 1.01 + 1e-7).all()  # half a step (d rounded to a half)
 
 
 @pytest.mark.parametrize("rows", [1, 5, cpu_ops.SMALL_GEMM_ROWS, 9, 40])
@@ -100,14 +130,15 @@ def test_upcast_linear_takes_the_few_row_gemm_up_to_its_rows(rows: int) -> None:
 
 @pytest.mark.parametrize("with_ops", [True, False])
 def test_int8_linear_drops_its_float_weight(with_ops: bool) -> None:
-    """A quantized Linear computes with the int8 copy, C++ or torch, and keeps no float one;
+    """A quantized Linear computes with its Q8_0 blocks, C++ or torch, and keeps no float copy;
     a tied weight (the LM head's) stays whole for the module it is shared with."""
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(80, 96)
     linear = Linear(96, 80, bias=False)
     linear.weight = embedding.weight  # tied, as LlamaForCausalLM ties its LM head
     linear.quantize()
-    assert linear.quant is not None and linear.weight.numel() == 0
+    assert linear.quant is not None and linear.quant.ggml_type == quant.Q8_0
+    assert linear.weight.numel() == 0
     assert embedding.weight.shape == (80, 96)
     if not with_ops:
         linear.quant.ops = None

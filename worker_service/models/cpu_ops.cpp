@@ -9,8 +9,8 @@
 //   rope          qk rows of `row_stride` elements, heads x head_dim each; cos, sin [n, head_dim/2]
 //   silu_mul      gate_up [n, 2 * inter] (gate first); out [n, inter]
 // and the sampler's grammar mask: apply_bitmask (float32 logits, int32 words), and the
-// weight-bound GEMMs of small_gemm.h: few rows over bf16 weights (gemm_bf16), any rows over
-// int8 weights with a scale per output row (gemm_int8).
+// weight-bound GEMMs: few rows over bf16 weights (small_gemm.h: gemm_bf16), and any rows over
+// GGUF's Q4_0, Q4_1 and Q8_0 blocks as the file stores them (gguf_gemm.h: gemm_gguf).
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "gguf_gemm.h"
 #include "small_gemm.h"
 
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
@@ -163,32 +164,26 @@ extern "C" {
 int tessera_gemm_bf16(const void* x, const void* w, const void* bias, void* out, int64_t rows,
                       int64_t K, int64_t N, int num_threads) {
   using T = uint16_t;
-  return small_gemm::gemm(static_cast<const T*>(x), static_cast<const T*>(w), nullptr,
+  return small_gemm::gemm(static_cast<const T*>(x), static_cast<const T*>(w),
                           static_cast<const T*>(bias), static_cast<T*>(out), rows, K, N,
                           num_threads)
              ? 0
              : 2;
 }
 
-// x, out [rows, K] and [rows, N] in `dtype`; w [N, K] int8; scale [N] float32; bias [N] in
-// `dtype` or null.
-int tessera_gemm_int8(int dtype, const void* x, const void* w, const void* scale,
-                      const void* bias, void* out, int64_t rows, int64_t K, int64_t N,
-                      int num_threads) {
-  const auto* q = static_cast<const int8_t*>(w);
-  const auto* s = static_cast<const float*>(scale);
-  bool ok = false;
-  if (dtype == 0) {
-    ok = small_gemm::gemm(static_cast<const float*>(x), q, s, static_cast<const float*>(bias),
-                          static_cast<float*>(out), rows, K, N, num_threads);
-  } else if (dtype == 1) {
-    ok = small_gemm::gemm(static_cast<const uint16_t*>(x), q, s,
-                          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), rows,
-                          K, N, num_threads);
-  } else {
-    return 1;
-  }
-  return ok ? 0 : 2;
+// x, out [rows, K] and [rows, N] in `dtype`; w [N, K / 32] blocks of GGUF `type` (ggml's id:
+// Q4_0, Q4_1 or Q8_0); bias [N] in `dtype` or null.
+int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const void* bias,
+                      void* out, int64_t rows, int64_t K, int64_t N, int num_threads) {
+  const auto* q = static_cast<const uint8_t*>(w);
+  if (dtype == 0)
+    return gguf_gemm::gemm(type, static_cast<const float*>(x), q, static_cast<const float*>(bias),
+                           static_cast<float*>(out), rows, K, N, num_threads);
+  if (dtype == 1)
+    return gguf_gemm::gemm(type, static_cast<const uint16_t*>(x), q,
+                           static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), rows,
+                           K, N, num_threads);
+  return 1;
 }
 
 // logits [B, vocab] float32; bitmask [n, words] (bit j of word w: token 32 w + j allowed);

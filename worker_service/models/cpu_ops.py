@@ -1,6 +1,6 @@
 """Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up,
 the sampler's grammar bitmask, and the GEMMs bound by reading the weight (`small_gemm.h`):
-a few rows over bf16 weights, any rows over int8 weights.
+a few rows over bf16 weights, any rows over GGUF's blocks (`gguf_gemm.h`).
 
 At small batches a decode step is dominated by the dispatch of many tiny torch ops;
 each of these replaces 3-8 of them with one ctypes call that keeps HF's bf16 rounding
@@ -49,9 +49,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     ],
     # x, w, bias, out, rows, K, N, num_threads
     "tessera_gemm_bf16": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
-    # dtype, x, w, scale, bias, out, rows, K, N, num_threads
-    "tessera_gemm_int8": [
-        ctypes.c_int, *[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 3, ctypes.c_int,
+    # type, dtype, x, w, bias, out, rows, K, N, num_threads
+    "tessera_gemm_gguf": [
+        ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int,
     ],
 }  # fmt: skip
 # Up to this many rows the bf16 GEMM beats oneDNN's float32 one over an upcast copy (AVX2).
@@ -163,24 +163,23 @@ class CpuOps:
         _check(status, "gemm_bf16")
         return out
 
-    def gemm_int8(
+    def gemm_gguf(
         self,
         x: torch.Tensor,  # [rows, K] float32 or bf16
-        qweight: torch.Tensor,  # [N, K] int8
-        scales: torch.Tensor,  # [N] float32
+        blocks: torch.Tensor,  # [N, K / 32 * block bytes] uint8: GGUF blocks of `ggml_type`
+        ggml_type: int,  # Q4_0 (2), Q4_1 (3) or Q8_0 (8)
         bias: torch.Tensor | None,  # [N] in x's dtype
     ) -> torch.Tensor:
-        """scales * (x @ qweight.T) + bias -> [rows, N] in x's dtype, summed in float32."""
+        """x @ dequantize(blocks).T + bias -> [rows, N] in x's dtype, summed in float32."""
         x = x.contiguous()
-        assert qweight.dtype == torch.int8 and qweight.is_contiguous()
-        assert scales.dtype == torch.float32 and scales.is_contiguous()
+        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
         assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
-        out = x.new_empty(x.shape[0], qweight.shape[0])
-        status = self.lib.tessera_gemm_int8(
-            DTYPES[x.dtype], x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), _ptr(bias),
-            out.data_ptr(), x.shape[0], x.shape[1], qweight.shape[0], torch.get_num_threads(),
+        out = x.new_empty(x.shape[0], blocks.shape[0])
+        status = self.lib.tessera_gemm_gguf(
+            ggml_type, DTYPES[x.dtype], x.data_ptr(), blocks.data_ptr(), _ptr(bias),
+            out.data_ptr(), x.shape[0], x.shape[1], blocks.shape[0], torch.get_num_threads(),
         )  # fmt: skip
-        _check(status, "gemm_int8")
+        _check(status, "gemm_gguf")
         return out
 
 

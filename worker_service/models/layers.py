@@ -15,7 +15,7 @@ from torch import nn
 
 from worker_service.models import cpu_ops
 from worker_service.models.cpu_ops import SMALL_GEMM_ROWS, CpuOps
-from worker_service.models.quant import Int8Weight
+from worker_service.models.quant import BlockWeight
 from worker_service.models.rope import RotaryEmbedding  # noqa: F401 (re-exported)
 from worker_service.parallel import TPGroup
 
@@ -70,11 +70,15 @@ class Linear(nn.Linear):
     # Below this many rows the plain GEMV beats a float32 one over upcast weights (AVX2).
     min_rows = 0
     small_gemm: CpuOps | None = None  # few-row bf16 GEMM, where pack() upcasts bf16
-    quant: Int8Weight | None = None  # set by quantize(): the weight lives there instead
+    quant: BlockWeight | None = None  # GGUF blocks (quantize(), set_blocks()) replace weight
 
     def quantize(self) -> None:
-        """Keep the weight as int8 rows and scales (quant.Int8Weight); drop the float copy."""
-        self.quant = Int8Weight.quantize(self.weight.data, cpu_ops.load())
+        """Weight-only int8: keep the weight as Q8_0 blocks (quant.BlockWeight)."""
+        self.set_blocks(BlockWeight.quantize_q8_0(self.weight.data, cpu_ops.load()))
+
+    def set_blocks(self, weight: BlockWeight) -> None:
+        """Compute with `weight` from now on and drop the float weight."""
+        self.quant = weight
         # Rebound, not emptied in place: a tied LM head shares its Parameter with the embedding.
         self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 

@@ -1,17 +1,15 @@
 // GEMMs bound by reading the weight, for CPUs without bf16 dot products (AVX2, AVX-512F):
-// out[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n], float32 sums.
+// out[m, n] = sum_k x[m, k] w[n, k] + bias[n], float32 sums, over weight rows
+// that a `Dot` reads (here dense bf16 rows; gguf_gemm.h's GGUF blocks).
 //
-// - bf16 weights at a few rows (decode, a speculative verify): oneDNN's float32 GEMM over
-//   an upcast copy reads 4 bytes a weight; this reads the bf16 weight (2 bytes) and widens
-//   it in registers, so 1-8 rows cost about what one row does. Products of bf16 values are
-//   exact in float32; only the order of the float32 sums differs.
-// - int8 weights with a float32 scale per output row (weight-only int8), at any row count:
-//   one byte a weight. Rows are taken 8 at a time over each chunk of weight rows, so the
-//   chunk is read from memory once and from cache for the other row blocks.
+// bf16 weights at a few rows (decode, a speculative verify): oneDNN's float32 GEMM over an
+// upcast copy reads 4 bytes a weight; this reads the bf16 weight (2 bytes) and widens it in
+// registers, so 1-8 rows cost about what one row does. Products of bf16 values are exact in
+// float32; only the order of the float32 sums differs. Rows are taken 8 at a time over each
+// chunk of weight rows, so a chunk is read from memory once and from cache for the others.
 //
 // Layouts (row-major): x, out [rows, K] and [rows, N] (float32 or bf16 as uint16_t, one
-// type for x, bias and out); w [N, K] (bf16 or int8); scale [N] float32 or null (1); bias
-// [N] or null.
+// type for x, bias and out); w [N, K]; bias [N] or null.
 #pragma once
 
 #include <algorithm>
@@ -33,12 +31,13 @@ struct Vec {  // 16 float32 lanes
   using V = __m512;
   static constexpr int64_t W = 16;
   static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const uint16_t* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
-  static V load(const int8_t* p) {
+  static V load(const int8_t* p) {  // GGUF block values
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
   }
@@ -50,6 +49,7 @@ struct Vec {  // 8 float32 lanes
   using V = __m256;
   static constexpr int64_t W = 8;
   static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load(const uint16_t* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -71,6 +71,7 @@ struct Vec {  // portable: one lane
   using V = float;
   static constexpr int64_t W = 1;
   static V zero() { return 0.0f; }
+  static V set1(float v) { return v; }
   static V load(const float* p) { return *p; }
   static V load(const uint16_t* p) { return widen(*p); }
   static V load(const int8_t* p) { return float(*p); }
@@ -78,9 +79,6 @@ struct Vec {  // portable: one lane
   static float sum(V v) { return v; }
 };
 #endif
-
-inline float weight_value(uint16_t w) { return widen(w); }
-inline float weight_value(int8_t w) { return float(w); }
 
 // sums[m] = x[m] . w for M rows of x (float32) and one weight row: M sums in registers.
 // (Several weight rows at once measured slower: the loop is bound by reading w.)
@@ -95,29 +93,41 @@ inline void dot_rows(const float* x, const TW* w, int64_t K, float (&sums)[M]) {
   }
   for (int m = 0; m < M; ++m) {
     float s = Vec::sum(acc[m]);
-    for (int64_t t = k; t < K; ++t) s += x[m * K + t] * weight_value(w[t]);
+    for (int64_t t = k; t < K; ++t) s += x[m * K + t] * widen(w[t]);
     sums[m] = s;
   }
 }
 
-template <typename TX, typename TW>
-struct Gemm {
-  const float* x;  // [rows, K], widened
+// Rows of dense weights: x [rows, K] (widened) . w[n] ([N, K] in TW).
+template <typename TW>
+struct DenseDot {
+  const float* x;
   const TW* w;
-  const float* scale;
+  int64_t K;
+
+  template <int M>
+  void run(int64_t r0, int64_t n, float (&sums)[M]) const {
+    dot_rows<M>(x + r0 * K, w + n * K, K, sums);
+  }
+};
+
+// out[r, n] = dot(r, n) + bias[n], for any `Dot` with
+// `template <int M> void run(int64_t r0, int64_t n, float (&sums)[M])` (sums of rows r0..r0+M).
+template <typename Dot, typename TX>
+struct Output {
+  const Dot& dot;
   const TX* bias;
   TX* out;
-  int64_t K, N;
+  int64_t N;
 
   // Rows [r0, r0 + M) of out, columns [n0, n1).
   template <int M>
   void block(int64_t r0, int64_t n0, int64_t n1) const {
     for (int64_t n = n0; n < n1; ++n) {
       float sums[M];
-      dot_rows<M>(x + r0 * K, w + n * K, K, sums);
-      const float s = scale ? scale[n] : 1.0f;
+      dot.template run<M>(r0, n, sums);
       const float b = bias ? widen(bias[n]) : 0.0f;
-      for (int m = 0; m < M; ++m) store(sums[m] * s + b, out + (r0 + m) * N + n);
+      for (int m = 0; m < M; ++m) store(sums[m] + b, out + (r0 + m) * N + n);
     }
   }
 
@@ -135,23 +145,39 @@ struct Gemm {
   }
 };
 
-// out = scale * (x @ w.T) + bias for any rows >= 1; false if rows < 1.
-template <typename TX, typename TW>
-bool gemm(const TX* x, const TW* w, const float* scale, const TX* bias, TX* out, int64_t rows,
-          int64_t K, int64_t N, int num_threads) {
-  if (rows < 1) return false;
-  std::vector<float> xf(rows * K);  // widened once: every weight row reads all of x
-  for (int64_t i = 0; i < rows * K; ++i) xf[i] = widen(x[i]);
-  const Gemm<TX, TW> g{xf.data(), w, scale, bias, out, K, N};
+// Every row block of every chunk of weight rows, chunks spread over the threads. `weight_bytes`
+// (of all N rows) decides whether threads pay.
+template <typename Dot, typename TX>
+void run(const Dot& dot, const TX* bias, TX* out, int64_t rows, int64_t N, int64_t weight_bytes,
+         int num_threads) {
+  const Output<Dot, TX> o{dot, bias, out, N};
   constexpr int64_t kChunk = 64;  // weight rows per task: a few KB to tens of KB
   const int64_t chunks = (N + kChunk - 1) / kChunk;
-  const int threads = rows * N * K >= (int64_t(1) << 16) ? num_threads : 1;
+  const int threads = rows * weight_bytes >= (int64_t(1) << 16) ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < chunks; ++i) {
     const int64_t n0 = i * kChunk, n1 = std::min(N, n0 + kChunk);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-      g.rows_block(r0, std::min<int64_t>(kRowBlock, rows - r0), n0, n1);
+      o.rows_block(r0, std::min<int64_t>(kRowBlock, rows - r0), n0, n1);
   }
+}
+
+// x [rows, K] widened to float32 once: every weight row reads all of it.
+template <typename TX>
+std::vector<float> widen_rows(const TX* x, int64_t rows, int64_t K) {
+  std::vector<float> xf(rows * K);
+  for (int64_t i = 0; i < rows * K; ++i) xf[i] = widen(x[i]);
+  return xf;
+}
+
+// out = x @ w.T + bias for any rows >= 1; false if rows < 1.
+template <typename TX, typename TW>
+bool gemm(const TX* x, const TW* w, const TX* bias, TX* out, int64_t rows, int64_t K, int64_t N,
+          int num_threads) {
+  if (rows < 1) return false;
+  const std::vector<float> xf = widen_rows(x, rows, K);
+  const DenseDot<TW> dot{xf.data(), w, K};
+  run(dot, bias, out, rows, N, N * K * int64_t(sizeof(TW)), num_threads);
   return true;
 }
 
