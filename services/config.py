@@ -85,7 +85,7 @@ class HubConfig:
     download_dir: str = ""
 
 
-QUANTIZATIONS = ("none", "int8")  # ModelConfig.quantization
+QUANTIZATIONS = ("none", "int8", "gguf")  # ModelConfig.quantization
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ class ModelConfig:
     # What the model runs as (vLLM's --runner): "generate" (completions, chat) or "pooling"
     # (embeddings: prefill-only requests pooled per the model's sentence-transformers files).
     runner: Runner = "generate"
-    # Weight-only quantization applied at load: "none", or "int8" (per output channel).
+    # Weights: "none" (as the checkpoint has them; a GGUF file is always read in its blocks),
+    # "int8" (quantized at load, Q8_0 blocks), or "gguf" (the default model's GGUF as shipped).
     quantization: str = "none"
 
     def __post_init__(self) -> None:

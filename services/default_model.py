@@ -19,6 +19,7 @@ from typing import Any
 
 import platformdirs
 
+from services import gguf_model
 from services.config import DEFAULT_MODEL, HubConfig
 from services.hub import is_hub_id, resolve_hub_model
 
@@ -56,20 +57,32 @@ def gguf_path() -> Path:
 
 def resolve_model(model: str, hub: HubConfig | None = None) -> Path:
     """Turn `--model` into a local HF directory: "default" is converted on first use, a Hub
-    id ("org/name") comes from the Hugging Face cache or is downloaded (services.hub)."""
+    id ("org/name") comes from the Hugging Face cache or is downloaded (services.hub), a
+    GGUF file gets a directory of its config and tokenizer linking to it (gguf_model)."""
     if model != DEFAULT_MODEL:
         path = Path(model).expanduser()
         if (path / "config.json").is_file():
             return path
+        if (gguf := gguf_model.find_gguf(model)) is not None:
+            return gguf_model.prepare(gguf, cache_dir())
         if is_hub_id(model):
             return resolve_hub_model(model, hub or HubConfig())
         raise FileNotFoundError(
-            f"{model!r} is neither a model directory (no config.json) nor a Hub id (org/name)"
+            f"{model!r} is neither a model directory (no config.json), a GGUF file, nor a Hub "
+            "id (org/name)"
         )
     target = cache_dir() / MODEL_DIR_NAME
     if not (target / "config.json").is_file():
         convert_default_model(target)
     return target
+
+
+def weights_source(model: str, quantization: str) -> str:
+    """What the worker loads for `--model` under `--quantization`: with "gguf", the default
+    model is its GGUF file as shipped (the other components read the converted directory)."""
+    if quantization == "gguf" and model == DEFAULT_MODEL:
+        return str(gguf_path())
+    return model
 
 
 def served_name(model: str) -> str:

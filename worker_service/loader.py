@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from services.gguf_model import LINK_NAME
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
 from worker_service.models.llama import LlamaForCausalLM
@@ -49,6 +50,8 @@ def load_model(
     with torch.device(device):
         model = cls(cfg, backend, tp)
     _cast(model, dtype)
+    if (model_dir / LINK_NAME).exists():  # a GGUF file's directory (services.gguf_model)
+        return _load_gguf(model, model_dir / LINK_NAME, dtype, tp)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
@@ -61,6 +64,20 @@ def load_model(
                 for part, piece in model.split_checkpoint(name, tensor):  # (Phi-3's fused)
                     loaded |= _load_tensor(model, model.config, part, piece, model.shard)
     _check_complete(model, loaded)
+    _log_weight_bytes(model, tp)
+    return model.eval()
+
+
+def _load_gguf(
+    model: LlamaForCausalLM, path: Path, dtype: torch.dtype, tp: TPGroup
+) -> LlamaForCausalLM:
+    """The weights from the GGUF file at `path`, block formats kept (worker_service.gguf)."""
+    from worker_service.gguf import load_gguf_weights
+
+    if tp.size > 1:
+        raise ValueError(f"{path.name}: GGUF models with tensor parallelism are not supported yet")
+    _check_complete(model, load_gguf_weights(model, path))
+    _cast(model, dtype)  # the float tensors came in as float32
     _log_weight_bytes(model, tp)
     return model.eval()
 

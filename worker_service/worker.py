@@ -9,7 +9,7 @@ import uuid
 import torch
 
 from services.config import WorkerConfig
-from services.default_model import resolve_model, served_name
+from services.default_model import resolve_model, served_name, weights_source
 from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, SchedulerOutput
 from services.tensor_handles import host_id
 from worker_service import kv_cache
@@ -53,7 +53,8 @@ class Worker:
             configure_threads(
                 config.num_threads, self.tp.size if config.parallel.spawn_ranks else 1
             )
-        model_dir = resolve_model(config.model.model, config.model.hub)
+        source = weights_source(config.model.model, config.model.quantization)
+        model_dir = resolve_model(source, config.model.hub)
         self.runner = ModelRunner(config, model_dir, self.device, self.tp)
         arch = self.runner.model.config
         self.model_info = ModelInfo(

@@ -1,0 +1,124 @@
+"""GGUF files served as they are: the default model's Q4_1 file, and the same model
+re-quantized to Q8_0 and Q4_0. Tessera's greedy (float32 activations, the GEMMs over the
+blocks) against HF transformers' greedy over the same file dequantized to float32, 8
+prompts x 32 tokens; the weights stay in their blocks; bad files are refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.default_model import gguf_path
+from services.gguf_model import GGUFError, check, prepare
+from services.types import SamplingParams
+from tessera import LLM
+from tests.hf_reference import hf_greedy_with
+from tests.quant.gguf_files import requantize, truncated
+from worker_service.models.layers import Linear
+from worker_service.models.quant import Q4_1, TYPE_NAMES
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "A haiku about the sea:",
+    "The most important rule of writing clean code is",
+    "In 1969, the first human landed on",
+]
+NEW_TOKENS = 32
+# Greedy prompts (of 8) equal to HF's over the dequantized file, at least: float32 sums in
+# another order flip a near-tie now and then at 4 bits, never at 8 (issue 21: 8/8 for Q8_0).
+AGREEMENT = {"Q8_0": 8, "Q4_0": 7, "Q4_1": 7}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("gguf")
+    made = {q: requantize(out / f"smollm2-{q}.gguf", q) for q in ("Q8_0", "Q4_0")}
+    return {"Q4_1": gguf_path(), **made}
+
+
+def tessera_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+
+
+def hf_dequantized_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return hf_greedy_with(model.eval(), prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module", params=list(AGREEMENT))
+def served(request: pytest.FixtureRequest, files: dict[str, Path]) -> Iterator[tuple[str, LLM]]:
+    llm = LLM(
+        model=str(files[request.param]), dtype="float32", kv_cache_memory="256MiB", max_num_seqs=8
+    )
+    yield request.param, llm
+    llm.shutdown()
+
+
+def test_greedy_equals_hf_over_the_dequantized_file(
+    served: tuple[str, LLM], files: dict[str, Path]
+) -> None:
+    qtype, llm = served
+    prompts = [llm.tokenizer.encode(p, False) for p in PROMPTS]
+    ours = tessera_greedy(llm, prompts)
+    theirs = hf_dequantized_greedy(files[qtype], prompts)
+    equal = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    print(f"{qtype}: {equal}/8 prompts x {NEW_TOKENS} tokens equal HF over the dequantized file")
+    assert equal >= AGREEMENT[qtype]
+    assert all(a[:4] == b[:4] for a, b in zip(ours, theirs, strict=True))
+
+
+def test_weights_stay_in_their_blocks(served: tuple[str, LLM]) -> None:
+    qtype, llm = served
+    model = llm.worker.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.quant is not None and m.weight.numel() == 0 for m in linears)
+    types = {TYPE_NAMES[m.quant.ggml_type] for m in linears if m.quant is not None}
+    assert qtype in types and types <= {qtype, "Q8_0"}  # the shipped file's token_embd: Q8_0
+    dense = sum(p.numel() for p in model.parameters())
+    assert dense == model.embed_tokens.weight.numel() + sum(
+        p.numel() for n, p in model.named_parameters() if "norm" in n
+    )
+
+
+def test_quantization_gguf_serves_the_default_models_file() -> None:
+    llm = LLM(quantization="gguf", dtype="float32", kv_cache_memory="64MiB", max_num_seqs=2)
+    try:
+        qkv = llm.worker.runner.model.layers[0].self_attn.qkv_proj
+        assert qkv.quant is not None and qkv.quant.ggml_type == Q4_1
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda p: requantize(p, "Q8_0", architecture="mamba"),
+            "architecture 'mamba' is not served",
+        ),
+        (lambda p: requantize(p, "Q8_0", broken_type=True), "token_embd.weight is Q4_K"),
+        (truncated, "not a readable GGUF file"),
+    ],
+    ids=["architecture", "tensor-type", "truncated"],
+)
+def test_bad_files_are_refused_by_name(tmp_path: Path, make, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = make(tmp_path / "bad.gguf")
+    for refuse in (check, lambda p: prepare(p, tmp_path / "cache"), lambda p: LLM(model=str(p))):
+        with pytest.raises(GGUFError, match=message) as info:
+            refuse(path)
+        assert str(path) in str(info.value)
+    assert not (tmp_path / "cache" / "gguf").exists() or not any(
+        (tmp_path / "cache" / "gguf").iterdir()
+    )

@@ -1,0 +1,149 @@
+"""A model's weights from its GGUF file (services/gguf_model.py made the directory), the
+quantized ones kept in their blocks.
+
+GGUF names its tensors the llama.cpp way (`blk.3.attn_q.weight`); each maps to the HF name
+the loader places. Block tensors (Q4_0, Q4_1, Q8_0) become the Linear's `BlockWeight`: q/k/v
+and gate/up are fused by stacking their block rows (rows are independent). llama.cpp's
+converter permutes the rows of Llama's q and k projections (its RoPE pairs dims 2i, 2i + 1,
+HF's i, i + d/2); the rows are put back in HF's order, blocks and all. The token embedding
+is dequantized for its row lookups (the only float copy); a tied LM head multiplies by the
+embedding's blocks. Float tensors (norms; F16/BF16 weights) load as a safetensors one would.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.gguf_model import GGUFError, open_reader
+from worker_service.loader import _FUSED, _load_tensor
+from worker_service.models import cpu_ops
+from worker_service.models.layers import Linear
+from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.quant import BlockWeight
+
+# GGUF tensor name (after `blk.N.`) -> HF name (after `layers.N.`)
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def hf_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight` (model-relative)."""
+    stem, _, kind = name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{kind}"
+    raise GGUFError(f"GGUF tensor {name!r} has no place in a Llama-family model")
+
+
+def load_gguf_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
+    """Place every tensor of the GGUF file at `path` in `model`; the parameter names filled
+    (as loader._check_complete counts them)."""
+    reader = open_reader(path)
+    ops = cpu_ops.load()
+    permute = model.config.architecture == "LlamaForCausalLM"
+    loaded: set[str] = set()
+    fused: dict[str, dict[int, BlockWeight]] = {}  # fused Linear -> its parts' blocks
+    names = {t.name for t in reader.tensors}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        data = _tensor(tensor.data)
+        kind = tensor.tensor_type.name
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _unpermute(data, model, name)
+        if kind in _FLOAT_TYPES:
+            dense = data.view(_FLOAT_TYPES[kind]).reshape(_shape(tensor))
+            loaded |= _load_tensor(model, model.config, name, dense.float(), model.shard)
+            continue
+        blocks = BlockWeight(data, int(tensor.tensor_type), int(tensor.shape[0]), ops)
+        if name == "embed_tokens.weight":
+            loaded |= _load_tensor(
+                model, model.config, name, blocks.dequantize(torch.float32), model.shard
+            )
+            if model.config.tie_word_embeddings and "output.weight" not in names:
+                model.lm_head.set_blocks(blocks)
+                loaded.add("lm_head.weight")
+            continue
+        loaded |= _place_blocks(model, name, blocks, fused)
+    for target, parts in fused.items():
+        loaded |= _set_fused(model, target, parts)
+    return loaded
+
+
+def _tensor(data: np.ndarray) -> torch.Tensor:
+    """The file's bytes as a tensor, not copied: torch warns that the mapping is read-only,
+    and nothing writes to it (blocks are read; float tensors are copied into parameters)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data)
+
+
+def _shape(tensor: object) -> tuple[int, ...]:
+    """GGUF lists dims innermost first; torch outermost first."""
+    return tuple(int(d) for d in reversed(tensor.shape))  # type: ignore[attr-defined]
+
+
+def _unpermute(rows: torch.Tensor, model: LlamaForCausalLM, name: str) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, rows (i, half) -> (half, i)."""
+    cfg = model.config
+    heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+
+def _place_blocks(
+    model: LlamaForCausalLM,
+    name: str,
+    blocks: BlockWeight,
+    fused: dict[str, dict[int, BlockWeight]],
+) -> set[str]:
+    """A block tensor into its Linear now, or kept for its fused Linear (q/k/v, gate/up)."""
+    parts = name.split(".")
+    if parts[-1] != "weight":
+        raise GGUFError(f"{name}: a block-quantized {parts[-1]} is not supported")
+    if parts[-2] in _FUSED:
+        target, index = _FUSED[parts[-2]]
+        fused.setdefault(".".join([*parts[:-2], target]), {})[index] = blocks
+        return set()
+    _linear(model, ".".join(parts[:-1])).set_blocks(blocks)
+    return {name}
+
+
+def _set_fused(model: LlamaForCausalLM, target: str, parts: dict[int, BlockWeight]) -> set[str]:
+    """Stack the parts' block rows (in q/k/v or gate/up order) into the fused Linear."""
+    count = 3 if target.endswith("qkv_proj") else 2
+    if sorted(parts) != list(range(count)):
+        raise GGUFError(f"{target}: the GGUF file lacks some of its parts")
+    types = {p.ggml_type for p in parts.values()}
+    if len(types) > 1:
+        raise GGUFError(f"{target}: its parts are in different block formats, not supported yet")
+    ordered = [parts[i] for i in range(count)]
+    stacked = torch.cat([p.blocks for p in ordered])
+    first = ordered[0]
+    _linear(model, target).set_blocks(
+        BlockWeight(stacked, first.ggml_type, first.in_features, first.ops)
+    )
+    return {f"{target}.weight#{i}" for i in range(count)}
+
+
+def _linear(model: LlamaForCausalLM, name: str) -> Linear:
+    module = model.get_submodule(name)
+    if not isinstance(module, Linear):
+        raise GGUFError(f"{name} is not a linear layer; its GGUF tensor cannot be placed")
+    return module
