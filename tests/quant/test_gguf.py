@@ -5,7 +5,7 @@ prompts x 32 tokens; the weights stay in their blocks; bad files are refused by 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -95,8 +95,8 @@ def test_weights_stay_in_their_blocks(served: tuple[str, LLM]) -> None:
 def test_quantization_gguf_serves_the_default_models_file() -> None:
     llm = LLM(quantization="gguf", dtype="float32", kv_cache_memory="64MiB", max_num_seqs=2)
     try:
-        qkv = llm.worker.runner.model.layers[0].self_attn.qkv_proj
-        assert qkv.quant is not None and qkv.quant.ggml_type == Q4_1
+        qkv = llm.worker.runner.model.get_submodule("layers.0.self_attn.qkv_proj")
+        assert isinstance(qkv, Linear) and qkv.quant is not None and qkv.quant.ggml_type == Q4_1
     finally:
         llm.shutdown()
 
@@ -113,7 +113,9 @@ def test_quantization_gguf_serves_the_default_models_file() -> None:
     ],
     ids=["architecture", "tensor-type", "truncated"],
 )
-def test_bad_files_are_refused_by_name(tmp_path: Path, make, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_files_are_refused_by_name(
+    tmp_path: Path, make: Callable[[Path], Path], message: str
+) -> None:
     path = make(tmp_path / "bad.gguf")
     for refuse in (check, lambda p: prepare(p, tmp_path / "cache"), lambda p: LLM(model=str(p))):
         with pytest.raises(GGUFError, match=message) as info:
