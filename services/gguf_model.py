@@ -20,7 +20,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LINK_NAME = "model.gguf"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF's name (Llama, Mistral, SmolLM2) -> HF's
 # Tensor types the worker reads: float ones as they are, block ones by the GGUF GEMMs.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 

@@ -106,7 +106,7 @@ def test_quantization_gguf_serves_the_default_models_file() -> None:
     [
         (
             lambda p: requantize(p, "Q8_0", architecture="mamba"),
-            "architecture 'mamba' is not served",
+            "architecture 'mamba' is not served by Tessera",
         ),
         (lambda p: requantize(p, "Q8_0", broken_type=True), "token_embd.weight is Q4_K"),
         (truncated, "not a readable GGUF file"),
