@@ -82,6 +82,7 @@ class EngineCore:
             enable_prefix_caching=self._prefix_caching(),
             pooled_prefix_hits=self.model_info.pooling_type == "LAST",
             sliding_window=self.kv_spec.sliding_window,
+            rope_recompute_length=self.kv_spec.rope_recompute_length,
         )
 
     def _prefix_caching(self) -> bool:

@@ -67,6 +67,7 @@ class Request:
         "lora_request",
         "max_tokens",
         "mm_inputs",
+        "num_admitted_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_hashed_blocks",
@@ -118,6 +119,7 @@ class Request:
         self.lora_request = lora_request  # None: the base model
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_admitted_tokens = 0  # its length when last admitted (sent to the workers)
         # Async scheduling: tokens scheduled in steps whose output has not been committed,
         # and how many of those steps will sample a token (not yet known here).
         self.num_inflight_tokens = 0

@@ -58,8 +58,10 @@ class Scheduler(SpeculativeScheduling):
         enable_prefix_caching: bool = True,
         pooled_prefix_hits: bool = False,
         sliding_window: int = 0,
+        rope_recompute_length: int = 0,
     ) -> None:
         self.config = config
+        self.rope_recompute_length = rope_recompute_length  # see KVCacheSpec
         self.pooled_prefix_hits = pooled_prefix_hits  # LAST pooling: only the last row counts
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -129,6 +131,8 @@ class Scheduler(SpeculativeScheduling):
                 break
             if request.status is not _RUNNING:
                 continue  # preempted earlier in this loop
+            if self.rope_recompute_length and self._recomputes_for_rope(request, plan):
+                continue
             placeholders = request.num_output_placeholders
             if placeholders and request.num_output_tokens + placeholders >= request.max_tokens:
                 continue  # its last token is being sampled in the step in flight
@@ -151,6 +155,19 @@ class Scheduler(SpeculativeScheduling):
                 new_block_ids = self._preempt_until_fits(request, num_new, plan)
             if new_block_ids is not None:
                 plan.add_cached(request, num_new, new_block_ids)
+
+    def _recomputes_for_rope(self, request: Request, plan: StepPlan) -> bool:
+        """Whether `request` sits out this step because its next token takes it past
+        rope_recompute_length while its keys were rotated for a shorter length: it is then
+        preempted (recomputed whole, at its new length, as HF's Phi-3 generate does); with a
+        step in flight it waits for that step's token first."""
+        limit = self.rope_recompute_length
+        next_position = request.num_computed_tokens + request.num_inflight_tokens
+        if request.num_admitted_tokens > limit or next_position < limit:
+            return False
+        if not request.num_inflight_tokens:
+            self._preempt(request, plan)
+        return True
 
     def _preempt_until_fits(
         self, request: Request, num_new: int, plan: StepPlan
@@ -203,6 +220,7 @@ class Scheduler(SpeculativeScheduling):
         if num_new == 0 or self._allocate(request, num_new, hits) is None:
             return False
         self.waiting.pop()
+        request.num_admitted_tokens = request.num_tokens
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens

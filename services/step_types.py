@@ -142,6 +142,7 @@ class KVCacheSpec:
     bytes_per_block: int = 0
     sliding_window: int = 0  # every layer's window is at most this (0: some layer is global)
     length_dependent_rope: bool = False  # keys depend on the prompt length: no prefix caching
+    rope_recompute_length: int = 0  # > 0: past this length all keys rotate anew (Phi-3)
 
 
 @dataclass(frozen=True, slots=True)

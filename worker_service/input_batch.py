@@ -35,6 +35,7 @@ class RequestState:
     pooled: Any = None  # its running pool over the chunks so far (worker_service.pooler)
     num_drafts: int = 0  # draft tokens written after num_tokens for this step (spec decoding)
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    rope_len: int = 0  # the length its tokens rotate at, at least (length-dependent rope)
 
     @property
     def lora_id(self) -> int:
@@ -65,8 +66,18 @@ class StepBatch:
 class InputBatch:
     """Request rows: token table [rows, max_model_len], block table [rows, max_blocks]."""
 
-    def __init__(self, max_reqs: int, max_model_len: int, block_size: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        max_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        rotate_whole_sequence: bool = False,
+    ) -> None:
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
+        # True (Phi-3 longrope): a (re)admitted request's tokens all rotate at its length then,
+        # outputs included; else at its prompt length (outputs: each at its own position + 1)
+        self.rotate_whole_sequence = rotate_whole_sequence
         self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_reqs, self.max_blocks), dtype=np.int32)
@@ -95,6 +106,7 @@ class InputBatch:
             new.sampling_params,
             new.resumed_from_preemption and bool(new.output_token_ids),  # prefill was complete
             lora=new.lora_request,
+            rope_len=len(tokens if self.rotate_whole_sequence else new.prompt_token_ids),
         )
         if new.pooling_params is not None:
             state.pooling = new.pooling_params
@@ -192,7 +204,7 @@ class InputBatch:
             max_seq_len=max_seq,
             query_lens_cpu=sched.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
-            prompt_lens_cpu=[s.prompt_len for s in order],
+            prompt_lens_cpu=[s.rope_len for s in order],
         )
         if has_drafts:
             return self._with_drafts(order, sched, input_ids, positions, meta, cu, device)

@@ -39,6 +39,7 @@ def make_spec(
         bytes_per_block=per_layer * cfg.num_layers,
         sliding_window=max(windows) if windows and min(windows) > 0 else 0,
         length_dependent_rope=cfg.rope.length_dependent,
+        rope_recompute_length=cfg.rope_recompute_length,
     )
 
 

@@ -77,7 +77,11 @@ class ModelRunner:
             arch, self.block_size, self.dtype, self.model.shard.num_kv_heads
         )
         self.input_batch = InputBatch(
-            config.max_num_seqs, self.max_model_len, self.block_size, arch.vocab_size
+            config.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            arch.vocab_size,
+            rotate_whole_sequence=self.spec.rope_recompute_length > 0,
         )
         self.sampler = Sampler(device, config.model.seed)
         self.structured = StructuredOutputs(model_dir, arch.vocab_size, arch.eos_token_ids)

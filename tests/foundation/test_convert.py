@@ -171,6 +171,7 @@ CASES: list[Any] = [
         bytes_per_block=368640,
         sliding_window=32,
         length_dependent_rope=True,
+        rope_recompute_length=4096,
     ),
     ServerInfo(
         model_name="m",

@@ -25,6 +25,7 @@ def make_scheduler(
     max_model_len: int = 128,
     eos_token_ids: tuple[int, ...] = (),
     enable_prefix_caching: bool = True,
+    rope_recompute_length: int = 0,
 ) -> tuple[Scheduler, FakeWorker]:
     """A scheduler and a fake worker whose pool has been initialized to match."""
     config = SchedulerConfig(
@@ -40,6 +41,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids,
         enable_prefix_caching=enable_prefix_caching,
+        rope_recompute_length=rope_recompute_length,
     )
     worker = FakeWorker(block_size=block_size, max_model_len=max_model_len)
     worker.initialize_cache(num_blocks)

@@ -1,8 +1,8 @@
-"""Issue 22, mixture of experts: tiny random-weight Mixtral, Qwen2-MoE (shared expert, a dense
-layer, no renormalisation), Qwen3-MoE (q/k norm, renormalised) and OLMoE (whole-projection q/k
-norm) give HF `generate`'s greedy tokens, token for token in float32, through `LLM` with whole
-and chunked prefill; the grouped expert path equals a per-token loop in float32 and bf16; the
-fused 3D checkpoint layout loads the same; unsupported configs are refused clearly."""
+"""Issue 22, mixture of experts (Mixtral, Qwen2-MoE with a shared expert, a dense layer and no
+renormalisation, Qwen3-MoE, OLMoE; greedy parity with HF through `LLM` and `tessera serve`:
+tests/offline/test_families.py, tests/stack/test_families_serve.py): the grouped expert path
+equals a per-token loop in float32 and bf16; the fused 3D checkpoint layout loads the same;
+unsupported configs are refused clearly."""
 
 from __future__ import annotations
 
@@ -17,45 +17,8 @@ from benchmarks.moe_bench import per_token_moe
 from services.types import SamplingParams
 from tessera.prompts import TokensPrompt
 from tests.hf_reference import hf_greedy
-from tests.worker.tiny_moe import ARCHITECTURES, VOCAB, save_tiny_moe
+from tests.worker.tiny_moe import PROMPTS, save_tiny_moe
 from worker_service.models.moe import fused_moe_torch, select_experts
-
-PROMPTS = [[(37 * i + 11 * k + 5) % VOCAB for i in range(n)] for k, n in
-           enumerate((3, 17, 40, 9, 61, 25, 1, 33))]  # fmt: skip
-NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def tiny_moe(
-    request: pytest.FixtureRequest,
-    tmp_path_factory: pytest.TempPathFactory,
-    default_model_dir: Path,
-) -> Path:
-    return save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
-
-
-def _tessera_greedy(path: Path, max_num_batched_tokens: int) -> list[list[int]]:
-    from tessera import LLM
-
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        kv_cache_memory="64MiB",
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=8,
-    )
-    try:
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], GREEDY)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.parametrize("budget", [2048, 16], ids=["whole", "chunked"])
-def test_greedy_matches_hf(tiny_moe: Path, budget: int) -> None:
-    expected = hf_greedy(tiny_moe, PROMPTS, NEW_TOKENS)
-    assert _tessera_greedy(tiny_moe, budget) == expected
 
 
 def test_fused_3d_expert_layout_loads_the_same(tmp_path: Path, default_model_dir: Path) -> None:

@@ -25,6 +25,9 @@ COMMON: dict[str, Any] = dict(
     pad_token_id=0,
 )
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# eight prompts of 1..61 tokens over the whole vocabulary
+PROMPTS = [[(37 * i + 11 * k + 5) % VOCAB for i in range(n)] for k, n in
+           enumerate((3, 17, 40, 9, 61, 25, 1, 33))]  # fmt: skip
 
 
 def _config(kind: str, **overrides: Any) -> Any:

@@ -36,8 +36,9 @@ class AttentionMetadata:
     # Requests verifying draft tokens (speculative decoding): their new tokens follow a
     # decoded sequence, so a backend may attend each of them as a decode row of its own.
     verify_reqs: list[int] = field(default_factory=list)
-    # Host copy of each request's prompt length (rope types that depend on it: dynamic,
-    # longrope); empty when the step's builder does not know them.
+    # Host copy of each request's rope length (rope types that depend on it: dynamic,
+    # longrope): its prompt length (Phi-3 longrope: its whole length when admitted); empty
+    # when the step's builder does not know them.
     prompt_lens_cpu: list[int] = field(default_factory=list)
 
     @property

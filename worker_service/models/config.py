@@ -87,6 +87,15 @@ class ModelArchConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
+    def rope_recompute_length(self) -> int:
+        """Phi-3 with longrope: the pretraining length past which HF's generate recomputes
+        the whole cache with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation),
+        so every key of a longer sequence is rotated with them; 0 for other models."""
+        if self.architecture == "Phi3ForCausalLM" and self.rope.rope_type == "longrope":
+            return self.rope.original_max_position_embeddings
+        return 0
+
+    @property
     def raw_text(self) -> dict[str, Any]:
         """config.json with a VLM's text_config merged in (the language model's fields)."""
         return {**self.raw, **self.raw.get("text_config", {})}
