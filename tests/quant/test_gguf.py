@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.quality import PROMPTS
 from services.default_model import gguf_path
 from services.gguf_model import GGUFError, check, prepare
 from services.types import SamplingParams
@@ -20,16 +21,6 @@ from tests.quant.gguf_files import requantize, truncated
 from worker_service.models.layers import Linear
 from worker_service.models.quant import Q4_1, TYPE_NAMES
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "A haiku about the sea:",
-    "The most important rule of writing clean code is",
-    "In 1969, the first human landed on",
-]
 NEW_TOKENS = 32
 # Greedy prompts (of 8) equal to HF's over the dequantized file, at least: float32 sums in
 # another order flip a near-tie now and then at 4 bits, never at 8 (issue 21: 8/8 for Q8_0).
