@@ -27,41 +27,42 @@ inline float half_at(const uint8_t* p) {
   return half_to_float(h);
 }
 
-inline void nibbles(const uint8_t* qs, int8_t* q) {
-  for (int j = 0; j < 16; ++j) {
-    q[j] = int8_t(qs[j] & 15);
-    q[j + 16] = int8_t(qs[j] >> 4);
-  }
+constexpr int kVecs = int(kBlock / Vec::W);  // vectors of one block's values
+using Values = typename Vec::V[kVecs];
+
+inline void int8_values(const uint8_t* p, Values& q) {
+  for (int c = 0; c < kVecs; ++c) q[c] = Vec::load(reinterpret_cast<const int8_t*>(p) + c * Vec::W);
 }
 
-// Each format: its ggml type id, block bytes, and values(): the block's 32 q as int8 (in `tmp`
-// where they must be unpacked), with d and m.
+// Each format: its ggml type id, block bytes, whether it has an offset m, and load(): the
+// block's 32 values widened into vectors (once, for every row of x), with d and m.
 struct Q4_0 {
   static constexpr int kType = 2, kBytes = 18;
-  static const int8_t* values(const uint8_t* b, int8_t* tmp, float& d, float& m) {
+  static constexpr bool kHasMin = true;
+  static void load(const uint8_t* b, Values& q, float& d, float& m) {
     d = half_at(b);
     m = -8.0f * d;
-    nibbles(b + 2, tmp);
-    return tmp;
+    Vec::nibbles(b + 2, q);
   }
 };
 
 struct Q4_1 {
   static constexpr int kType = 3, kBytes = 20;
-  static const int8_t* values(const uint8_t* b, int8_t* tmp, float& d, float& m) {
+  static constexpr bool kHasMin = true;
+  static void load(const uint8_t* b, Values& q, float& d, float& m) {
     d = half_at(b);
     m = half_at(b + 2);
-    nibbles(b + 4, tmp);
-    return tmp;
+    Vec::nibbles(b + 4, q);
   }
 };
 
 struct Q8_0 {
   static constexpr int kType = 8, kBytes = 34;
-  static const int8_t* values(const uint8_t* b, int8_t*, float& d, float& m) {
+  static constexpr bool kHasMin = false;
+  static void load(const uint8_t* b, Values& q, float& d, float& m) {
     d = half_at(b);
     m = 0.0f;
-    return reinterpret_cast<const int8_t*>(b + 2);
+    int8_values(b + 2, q);
   }
 };
 
@@ -73,27 +74,39 @@ struct BlockDot {
   const uint8_t* w;
   int64_t K;
 
+  // Independent sums per row: few rows need several chains of FMAs to hide their latency;
+  // more rows interleave their own chains (and would run out of vector registers).
+  template <int M>
+  static constexpr int kChains = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+
   template <int M>
   void run(int64_t r0, int64_t n, float (&sums)[M]) const {
+    constexpr int C = kChains<M>;
     const int64_t blocks = K / kBlock;
     const uint8_t* row = w + n * blocks * F::kBytes;
-    typename Vec::V acc[M];
+    typename Vec::V acc[M][C];
     float offset[M];
-    for (int m = 0; m < M; ++m) acc[m] = Vec::zero(), offset[m] = 0.0f;
-    alignas(64) int8_t tmp[kBlock];
+    for (int m = 0; m < M; ++m) {
+      for (int c = 0; c < C; ++c) acc[m][c] = Vec::zero();
+      offset[m] = 0.0f;
+    }
     for (int64_t b = 0; b < blocks; ++b) {
       float d, mn;
-      const int8_t* q = F::values(row + b * F::kBytes, tmp, d, mn);
+      Values q;
+      F::load(row + b * F::kBytes, q, d, mn);
       const typename Vec::V dv = Vec::set1(d);
+      for (int c = 0; c < kVecs; ++c) q[c] = Vec::mul(q[c], dv);  // d q: shared by the rows
       for (int m = 0; m < M; ++m) {
         const float* xb = x + (r0 + m) * K + b * kBlock;
-        typename Vec::V s = Vec::zero();
-        for (int64_t c = 0; c < kBlock; c += Vec::W) s = Vec::fma(Vec::load(xb + c), Vec::load(q + c), s);
-        acc[m] = Vec::fma(dv, s, acc[m]);
-        offset[m] += mn * xsum[(r0 + m) * blocks + b];
+        for (int c = 0; c < kVecs; ++c)
+          acc[m][c % C] = Vec::fma(Vec::load(xb + c * Vec::W), q[c], acc[m][c % C]);
+        if (F::kHasMin) offset[m] += mn * xsum[(r0 + m) * blocks + b];
       }
     }
-    for (int m = 0; m < M; ++m) sums[m] = Vec::sum(acc[m]) + offset[m];
+    for (int m = 0; m < M; ++m) {
+      for (int c = 1; c < C; ++c) acc[m][0] = Vec::add(acc[m][0], acc[m][c]);
+      sums[m] = Vec::sum(acc[m][0]) + offset[m];
+    }
   }
 };
 

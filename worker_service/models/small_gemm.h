@@ -41,7 +41,15 @@ struct Vec {  // 16 float32 lanes
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
   }
+  static void nibbles(const uint8_t* p, V (&q)[2]) {  // 16 bytes -> low nibbles, high nibbles
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+  }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -59,7 +67,18 @@ struct Vec {  // 8 float32 lanes
     const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
   }
+  static void nibbles(const uint8_t* p, V (&q)[4]) {  // 16 bytes -> low nibbles, high nibbles
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static float sum(V v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -75,7 +94,12 @@ struct Vec {  // portable: one lane
   static V load(const float* p) { return *p; }
   static V load(const uint16_t* p) { return widen(*p); }
   static V load(const int8_t* p) { return float(*p); }
+  static void nibbles(const uint8_t* p, V (&q)[32]) {
+    for (int j = 0; j < 16; ++j) q[j] = float(p[j] & 15), q[j + 16] = float(p[j] >> 4);
+  }
   static V fma(V a, V b, V c) { return a * b + c; }
+  static V mul(V a, V b) { return a * b; }
+  static V add(V a, V b) { return a + b; }
   static float sum(V v) { return v; }
 };
 #endif
