@@ -3,7 +3,8 @@
 Runs the decode micro-benchmark and offline throughput (HF and vLLM in the same run),
 the per-step scheduler + gRPC overhead, scheduler CPU time, speculative decoding (batch-1
 decode with and without ngram drafts), multi-LoRA throughput (4 adapters mixed against base
-only), and online serving against
+only), the weight formats' quality and decode speed (fp32, bf16, int8, the GGUF file), and
+online serving against
 a `tessera serve` and a vLLM OpenAI server it starts itself, one after the other, with
 the same client, prompts and rates. vLLM's CPU build lives in its own venv (`--vllm-venv`,
 installed on first use); if it cannot be installed or run, the results say so and the
@@ -38,7 +39,9 @@ from services.healthcheck import http_healthy
 
 README = Path("README.md")
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-SECTIONS = ["decode", "offline", "serve", "step_overhead", "scheduler", "spec_decode", "lora"]
+SECTIONS = [
+    "decode", "offline", "serve", "step_overhead", "scheduler", "spec_decode", "lora", "quality",
+]  # fmt: skip
 
 
 def run_module(name: str, argv: list[str]) -> Any:
@@ -146,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         run_module("spec_decode", [])
     if "lora" not in skip:
         run_module("lora_bench", [])
+    if "quality" not in skip:
+        run_module("quality", [])
     if "serve" not in skip:
         serve_both(args.port, env)
     if not args.quick:
