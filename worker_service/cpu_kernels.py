@@ -138,7 +138,8 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default="none",
         choices=QUANTIZATIONS,
-        help="weight-only quantization at load: int8 (per output channel) reads a byte a weight",
+        help="weights: int8 (quantized at load to Q8_0 blocks), gguf (the default model's GGUF "
+        "file as shipped); a .gguf --model is always served in its own blocks",
     )
     parser.add_argument(
         "--hf-exact-numerics",

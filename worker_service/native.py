@@ -59,7 +59,7 @@ def _text(source: Path) -> bytes:
     """The source and the local headers it includes (`#include "name.h"`), as built."""
     text = source.read_bytes()
     headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
-    return text + b"".join(_text(source.with_name(h.decode())) for h in headers)
+    return text + b"".join(_text(source.parent / h.decode()) for h in headers)
 
 
 def _compile(source: Path, target: Path, flags: list[str]) -> None:

@@ -20,28 +20,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "../models/bf16.h"
 #include "cpu_simd.h"
 
 // glibc's vector expf (libmvec): lets the softmax loop vectorize without -ffast-math.
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
 
 namespace {
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t bf16) {
-  uint32_t bits = uint32_t(bf16) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
-inline void narrow(float x, float* dst) { *dst = x; }
-inline void narrow(float x, uint16_t* dst) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
-  *dst = uint16_t(bits >> 16);
-}
 
 struct Shape {
   int64_t heads, kv_heads, head_dim, block_size;
@@ -266,7 +251,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
       weigh_rows<Dim>(w.scores + g * seq_len + start, w.rows, n, dim, w.acc + g * dim);
   }
 
-  for (int64_t i = 0; i < group * dim; ++i) narrow(w.acc[i], out + kv_head * group * dim + i);
+  for (int64_t i = 0; i < group * dim; ++i) store(w.acc[i], out + kv_head * group * dim + i);
 }
 
 template <typename T, int64_t Dim>
