@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from services.gguf_model import GGUFError, open_reader
-from worker_service.loader import _FUSED, _load_tensor
+from worker_service.loader import _FUSED, _fused_target, _load_tensor
 from worker_service.models import cpu_ops
 from worker_service.models.layers import Linear
 from worker_service.models.llama import LlamaForCausalLM
@@ -52,9 +52,10 @@ def hf_name(name: str) -> str:
     raise GGUFError(f"GGUF tensor {name!r} has no place in a Llama-family model")
 
 
-def load_gguf_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
-    """Place every tensor of the GGUF file at `path` in `model`; the parameter names filled
-    (as loader._check_complete counts them)."""
+def load_gguf_weights(model: LlamaForCausalLM, path: Path, dtype: torch.dtype) -> set[str]:
+    """Place every tensor of the GGUF file at `path` in `model` (built under
+    layers.deferred_weights); the parameter names filled (as loader._check_complete counts
+    them). A Linear given a float tensor gets its `dtype` weight then."""
     reader = open_reader(path)
     ops = cpu_ops.load()
     permute = model.config.architecture == "LlamaForCausalLM"
@@ -69,6 +70,7 @@ def load_gguf_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
             data = _unpermute(data, model, name)
         if kind in _FLOAT_TYPES:
             dense = data.view(_FLOAT_TYPES[kind]).reshape(_shape(tensor))
+            _allocate(model, name, dtype)
             loaded |= _load_tensor(model, model.config, name, dense.float(), model.shard)
             continue
         blocks = BlockWeight(data, int(tensor.tensor_type), int(tensor.shape[0]), ops)
@@ -83,7 +85,21 @@ def load_gguf_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
         loaded |= _place_blocks(model, name, blocks, fused)
     for target, parts in fused.items():
         loaded |= _set_fused(model, target, parts)
+    if unplaced := [n for n, p in model.named_parameters() if p.is_meta]:
+        raise GGUFError(f"{path}: no tensor for {unplaced[:3]} ({len(unplaced)} in all)")
     return loaded
+
+
+def _allocate(model: LlamaForCausalLM, name: str, dtype: torch.dtype) -> None:
+    """Give the (meta) parameter a float checkpoint tensor `name` fills a real tensor."""
+    fused = _fused_target(name.split("."))
+    target = fused[0] if fused is not None else name
+    module_name, _, attr = target.rpartition(".")
+    module = model.get_submodule(module_name)
+    param = getattr(module, attr, None)
+    if isinstance(param, torch.nn.Parameter) and param.is_meta:
+        real = torch.empty(param.shape, dtype=dtype, device=model.embed_tokens.weight.device)
+        setattr(module, attr, torch.nn.Parameter(real, requires_grad=False))
 
 
 def _tensor(data: np.ndarray) -> torch.Tensor:

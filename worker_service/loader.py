@@ -18,6 +18,7 @@ from safetensors import safe_open
 from services.gguf_model import LINK_NAME
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, read_model_config
+from worker_service.models.layers import deferred_weights
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.registry import check_features, model_class
 from worker_service.parallel import LayerShard, TPGroup
@@ -47,10 +48,11 @@ def load_model(
     cfg = read_model_config(model_dir)
     cls = model_class(cfg.architecture)
     check_features(cls, cfg)
-    with torch.device(device):
+    gguf = (model_dir / LINK_NAME).exists()  # a GGUF file's directory (services.gguf_model)
+    with torch.device(device), deferred_weights(gguf):  # GGUF: linears get their blocks
         model = cls(cfg, backend, tp)
     _cast(model, dtype)
-    if (model_dir / LINK_NAME).exists():  # a GGUF file's directory (services.gguf_model)
+    if gguf:
         return _load_gguf(model, model_dir / LINK_NAME, dtype, tp)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -76,8 +78,7 @@ def _load_gguf(
 
     if tp.size > 1:
         raise ValueError(f"{path.name}: GGUF models with tensor parallelism are not supported yet")
-    _check_complete(model, load_gguf_weights(model, path))
-    _cast(model, dtype)  # the float tensors came in as float32
+    _check_complete(model, load_gguf_weights(model, path, dtype))
     _log_weight_bytes(model, tp)
     return model.eval()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from worker_service.models import cpu_ops, quant
-from worker_service.models.layers import Linear
+from worker_service.models.layers import Linear, deferred_weights
 
 # GEMM shapes [N, K]: odd ones cover the tails of the vector loop (K) and of the chunks (N).
 SHAPES = [(1, 7), (67, 33), (3072, 576), (576, 1536)]
@@ -147,3 +147,13 @@ def test_int8_linear_drops_its_float_weight(with_ops: bool) -> None:
     torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-4)
     linear.pack(torch.float32)  # a quantized Linear is not packed again
     assert linear.packed is None
+
+
+def test_deferred_weights_start_unallocated_until_blocks_replace_them() -> None:
+    """The GGUF loader builds its model this way: no dense copy of a linear layer is made."""
+    with deferred_weights():
+        linear = Linear(64, 8, bias=False)
+    assert linear.weight.is_meta and not Linear(64, 8).weight.is_meta
+    linear.set_blocks(quant.BlockWeight.quantize_q8_0(torch.randn(8, 64), cpu_ops.load()))
+    assert not linear.weight.is_meta and linear.weight.numel() == 0
+    assert linear(torch.randn(2, 64)).shape == (2, 8)

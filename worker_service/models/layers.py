@@ -8,6 +8,8 @@ matmul accumulation are float32, and the logits are returned as float32.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +73,11 @@ class Linear(nn.Linear):
     min_rows = 0
     small_gemm: CpuOps | None = None  # few-row bf16 GEMM, where pack() upcasts bf16
     quant: BlockWeight | None = None  # GGUF blocks (quantize(), set_blocks()) replace weight
+    defer_weights = False  # set by deferred_weights(): new weights start on the meta device
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        meta = torch.device("meta") if Linear.defer_weights else None
+        super().__init__(in_features, out_features, bias, device=meta)
 
     def quantize(self) -> None:
         """Weight-only int8: keep the weight as Q8_0 blocks (quant.BlockWeight)."""
@@ -80,7 +87,8 @@ class Linear(nn.Linear):
         """Compute with `weight` from now on and drop the float weight."""
         self.quant = weight
         # Rebound, not emptied in place: a tied LM head shares its Parameter with the embedding.
-        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+        empty = torch.empty(0, dtype=self.weight.dtype, device=weight.blocks.device)
+        self.weight = nn.Parameter(empty, requires_grad=False)
 
     def pack(self, dtype: torch.dtype) -> None:
         """Run GEMMs over a oneDNN-packed copy of the weight in `dtype`."""
@@ -106,6 +114,17 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         out = linear_onednn(x.to(self.compute_dtype), self.packed, self.packed_bias)
         return out.to(x.dtype)
+
+
+@contextmanager
+def deferred_weights(defer: bool = True) -> Iterator[None]:
+    """Linears built inside start with meta (unallocated) weights, for a loader that gives
+    them blocks (set_blocks) or real tensors before use: a GGUF model is never dense."""
+    before, Linear.defer_weights = Linear.defer_weights, defer
+    try:
+        yield
+    finally:
+        Linear.defer_weights = before
 
 
 def _few_bf16_rows(x: torch.Tensor) -> bool:
