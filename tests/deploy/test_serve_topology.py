@@ -96,3 +96,12 @@ def test_speculative_config_reaches_worker_and_scheduler() -> None:
     bad = build_parser().parse_args(["serve", "--speculative-config", '{"method": "x"}'])
     with pytest.raises(ValueError, match="speculative method"):
         build_services(bad, "token")
+
+
+@pytest.mark.parametrize("value", ["int8", "gguf"])
+def test_quantization_reaches_the_worker(value: str) -> None:
+    """`tessera serve -q VALUE` is the worker's ModelConfig.quantization."""
+    from worker_service.__main__ import build_config
+
+    worker_argv = build_services(build_parser().parse_args(["serve", "-q", value]), "t")[0].argv
+    assert build_config(parsed(worker_argv)[1]).model.quantization == value
