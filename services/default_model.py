@@ -79,9 +79,17 @@ def resolve_model(model: str, hub: HubConfig | None = None) -> Path:
 
 def weights_source(model: str, quantization: str) -> str:
     """What the worker loads for `--model` under `--quantization`: with "gguf", the default
-    model is its GGUF file as shipped (the other components read the converted directory)."""
+    model is its GGUF file as shipped (the other components read the converted directory).
+    ValueError for a pair that cannot mean what it says (never silently ignored)."""
+    is_gguf = model != DEFAULT_MODEL and gguf_model.find_gguf(model) is not None
     if quantization == "gguf" and model == DEFAULT_MODEL:
         return str(gguf_path())
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(
+            f"--quantization gguf needs a .gguf model or the default one, not {model!r}"
+        )
+    if quantization == "int8" and is_gguf:
+        raise ValueError(f"{model} is a GGUF file, already quantized: drop --quantization int8")
     return model
 
 

@@ -65,7 +65,7 @@ class ModelRunner:
         self.tp.expert_parallel = config.parallel.enable_expert_parallel
         self.model = load_model(model_dir, self.dtype, device, self.backend, self.tp)
         if quantize_linears(self.model, config.model.quantization):
-            log.info("weights: %s (weight-only, per output channel)", config.model.quantization)
+            log.info("weights: %s, as Q8_0 blocks (weight-only)", config.model.quantization)
         if self.dtype == torch.bfloat16 and device.type == "cpu":
             self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))
         arch = self.model.config

@@ -115,3 +115,14 @@ def test_bad_files_are_refused_by_name(
     assert not (tmp_path / "cache" / "gguf").exists() or not any(
         (tmp_path / "cache" / "gguf").iterdir()
     )
+
+
+def test_quantization_values_that_cannot_apply_are_refused(files: dict[str, Path]) -> None:
+    from services.default_model import weights_source
+
+    assert weights_source("default", "gguf") == str(gguf_path())
+    assert weights_source(str(files["Q8_0"]), "gguf") == str(files["Q8_0"])
+    with pytest.raises(ValueError, match=r"needs a \.gguf model"):
+        weights_source("acme/tiny", "gguf")
+    with pytest.raises(ValueError, match="already quantized"):
+        weights_source(str(files["Q8_0"]), "int8")
