@@ -181,9 +181,9 @@ def test_openai_client_sees_408_and_does_not_retry(stack: Stack, engine: FakeEng
 def test_deadline_ends_a_stream_with_an_error_event(
     stack: Stack, http: httpx.Client, engine: FakeEngine
 ) -> None:
-    engine.token_delay_s = 0.1
-    with http.stream(
-        "POST", CHAT, json=chat(stream=True, n=2, max_tokens=50, timeout=0.5)
+    engine.token_delay_s = 0.2  # 50 tokens take 10 s; the first few fit the 1.5 s deadline
+    with http.stream(  # (a deadline of 0.5 s missed the first tokens on a loaded CI machine)
+        "POST", CHAT, json=chat(stream=True, n=2, max_tokens=50, timeout=1.5)
     ) as reply:
         assert reply.status_code == 200  # the first tokens came in time
         events = [line.removeprefix("data: ") for line in reply.iter_lines() if line]
