@@ -10,7 +10,7 @@
 //   silu_mul      gate_up [n, 2 * inter] (gate first); out [n, inter]
 // and the sampler's grammar mask: apply_bitmask (float32 logits, int32 words), and the
 // weight-bound GEMMs: few rows over bf16 weights (small_gemm.h: gemm_bf16), and any rows over
-// GGUF's Q4_0, Q4_1 and Q8_0 blocks as the file stores them (gguf_gemm.h: gemm_gguf).
+// GGUF's blocks as the file stores them (gguf_gemm.h; with int8 activations, gguf_q8.h).
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +21,7 @@
 
 #include "bf16.h"
 #include "gguf_gemm.h"
+#include "gguf_q8.h"
 #include "small_gemm.h"
 
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
@@ -156,6 +157,17 @@ void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint
   }
 }
 
+// GGUF blocks: the int8-activation GEMM where asked and built for (AVX2), else the float one.
+template <typename TX>
+int gemm_gguf(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows,
+              int64_t K, int64_t N, int int8_x, int num_threads) {
+  if (int8_x) {
+    const int status = gguf_q8::gemm(type, x, w, bias, out, rows, K, N, num_threads);
+    if (status != 3) return status;
+  }
+  return gguf_gemm::gemm(type, x, w, bias, out, rows, K, N, num_threads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -174,15 +186,15 @@ int tessera_gemm_bf16(const void* x, const void* w, const void* bias, void* out,
 // x, out [rows, K] and [rows, N] in `dtype`; w [N, K / 32] blocks of GGUF `type` (ggml's id:
 // Q4_0, Q4_1 or Q8_0); bias [N] in `dtype` or null.
 int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const void* bias,
-                      void* out, int64_t rows, int64_t K, int64_t N, int num_threads) {
+                      void* out, int64_t rows, int64_t K, int64_t N, int int8_x,
+                      int num_threads) {
   const auto* q = static_cast<const uint8_t*>(w);
-  if (dtype == 0)
-    return gguf_gemm::gemm(type, static_cast<const float*>(x), q, static_cast<const float*>(bias),
-                           static_cast<float*>(out), rows, K, N, num_threads);
-  if (dtype == 1)
-    return gguf_gemm::gemm(type, static_cast<const uint16_t*>(x), q,
-                           static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), rows,
-                           K, N, num_threads);
+  if (dtype == 0) return gemm_gguf(type, static_cast<const float*>(x), q,
+                                   static_cast<const float*>(bias), static_cast<float*>(out),
+                                   rows, K, N, int8_x, num_threads);
+  if (dtype == 1) return gemm_gguf(type, static_cast<const uint16_t*>(x), q,
+                                   static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out),
+                                   rows, K, N, int8_x, num_threads);
   return 1;
 }
 

@@ -49,9 +49,10 @@ _SIGNATURES: dict[str, list[Any]] = {
     ],
     # x, w, bias, out, rows, K, N, num_threads
     "tessera_gemm_bf16": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
-    # type, dtype, x, w, bias, out, rows, K, N, num_threads
+    # type, dtype, x, w, bias, out, rows, K, N, int8_x, num_threads
     "tessera_gemm_gguf": [
         ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int,
+        ctypes.c_int,
     ],
 }  # fmt: skip
 # Up to this many rows the bf16 GEMM beats oneDNN's float32 one over an upcast copy (AVX2).
@@ -169,15 +170,19 @@ class CpuOps:
         blocks: torch.Tensor,  # [N, K / 32 * block bytes] uint8: GGUF blocks of `ggml_type`
         ggml_type: int,  # Q4_0 (2), Q4_1 (3) or Q8_0 (8)
         bias: torch.Tensor | None,  # [N] in x's dtype
+        int8_x: bool = False,
     ) -> torch.Tensor:
-        """x @ dequantize(blocks).T + bias -> [rows, N] in x's dtype, summed in float32."""
+        """x @ dequantize(blocks).T + bias -> [rows, N] in x's dtype, summed in float32.
+        int8_x: quantize x to int8 per 32 values for integer dot products (gguf_q8.h), where
+        this build has them (AVX2) and the format does; else x stays float32."""
         x = x.contiguous()
         assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
         assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
         out = x.new_empty(x.shape[0], blocks.shape[0])
         status = self.lib.tessera_gemm_gguf(
             ggml_type, DTYPES[x.dtype], x.data_ptr(), blocks.data_ptr(), _ptr(bias),
-            out.data_ptr(), x.shape[0], x.shape[1], blocks.shape[0], torch.get_num_threads(),
+            out.data_ptr(), x.shape[0], x.shape[1], blocks.shape[0], int(int8_x),
+            torch.get_num_threads(),
         )  # fmt: skip
         _check(status, "gemm_gguf")
         return out

@@ -7,9 +7,11 @@ weights with a half scale d (and, for Q4_1, a half offset m): Q4_0 and Q4_1 (4-b
 32 weights of a row (finer than one per row: on the default model, whose weights come from
 a Q4_1 file, per-row int8 costs 1.6% perplexity, Q8_0 blocks well under 1%).
 
-The GEMM (`cpu_ops.gemm_gguf`) reads the blocks, widens them in registers and sums in
-float32: 1.06 (Q8_0) or 0.56-0.63 (Q4) bytes a weight, where bf16 reads two and AVX2's
-float32 GEMMs four. Without the C++ ops (no compiler, not a CPU) the weight is dequantized
+The GEMM (`cpu_ops.gemm_gguf`) reads the blocks: 1.06 (Q8_0) or 0.56-0.63 (Q4) bytes a
+weight, where bf16 reads two and AVX2's float32 GEMMs four. A bf16 model's activations are
+quantized to int8 per 32 values for integer dot products, as llama.cpp does (gguf_q8.h: the
+fast default); a float32 model's stay float32 and the weights are widened in registers
+(gguf_gemm.h: the exact path, which the parity tests run). Without the C++ ops (no compiler, not a CPU) the weight is dequantized
 per call: correct, not fast.
 """
 
@@ -67,7 +69,8 @@ class BlockWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[n, in] -> [n, out] in x's dtype."""
         if self.ops is not None and x.dim() == 2 and x.shape[0] > 0 and x.dtype in NATIVE:
-            return self.ops.gemm_gguf(x, self.blocks, self.ggml_type, bias)
+            int8_x = x.dtype == torch.bfloat16  # the fast path; float32 stays exact
+            return self.ops.gemm_gguf(x, self.blocks, self.ggml_type, bias, int8_x)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     @property

@@ -1,0 +1,99 @@
+"""The GGUF GEMM with int8 activations (gguf_q8.h, the bf16 fast path): x quantized per 32
+values as llama.cpp's Q8_0 (d_x = max |x| / 127, q_x = round(x / d_x)), integer dot
+products with the blocks' values, against a float64 evaluation of the same quantized
+products on every build this CPU runs; builds without AVX2 keep the float path exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker.test_small_gemm import (
+    _assert_float32_sums_rounded,
+    _runnable_levels,
+    random_blocks,
+)
+from worker_service.models import cpu_ops, quant
+from worker_service.models.layers import Linear
+
+ROWS = [1, 3, 8, 17, 40]  # one, a few, a full block of 8 rows, blocks and a tail
+OFFSET_OF = {quant.Q4_0: lambda d, raw: -8 * d, quant.Q8_0: lambda d, raw: 0 * d}
+
+
+@pytest.fixture(scope="module", params=_runnable_levels(), ids=lambda v: v or "portable")
+def level(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, K] -> q_x [rows, K / 32, 32] and d_x [rows, K / 32, 1], in float32 as the kernel."""
+    xb = x.float().reshape(x.shape[0], -1, quant.BLOCK)
+    d = xb.abs().amax(dim=2, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(xb * inv), d
+
+
+def int8_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """sum over blocks of d d_x sum(q q_x) + m sum(x), in float64."""
+    n = blocks.shape[0]
+    raw = blocks.reshape(n, -1, quant.BLOCK_BYTES[ggml_type])
+    d = raw[..., 0:2].contiguous().view(torch.float16).double()  # [n, blocks, 1]
+    if ggml_type == quant.Q4_1:
+        m = raw[..., 2:4].contiguous().view(torch.float16).double()
+    else:
+        m = OFFSET_OF[ggml_type](d, raw)
+    w = quant.dequantize_blocks(blocks, ggml_type).double().reshape(n, -1, quant.BLOCK)
+    qx, dx = quantize_x(x)
+    dot = torch.einsum("rbk,nbk,rb->rn", qx.double(), w - m, dx.double().squeeze(2))
+    xsum = x.double().reshape(x.shape[0], -1, quant.BLOCK).sum(dim=2)  # [rows, blocks]
+    return dot + xsum @ m.squeeze(2).T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (67, 96), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize("ggml_type", [quant.Q4_0, quant.Q4_1, quant.Q8_0], ids=str)
+def test_int8_activations_equal_the_quantized_products(
+    level: str, ggml_type: int, dtype: torch.dtype, rows: int, n: int, k: int
+) -> None:
+    ops = cpu_ops.build(level)
+    torch.manual_seed(rows * n + k)
+    blocks = random_blocks(ggml_type, n, k)
+    x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    ours = ops.gemm_gguf(x, blocks, ggml_type, b, int8_x=True)
+    assert ours.dtype == dtype
+    if level == "":  # no integer dot products in the portable build: the float path
+        assert torch.equal(ours, ops.gemm_gguf(x, blocks, ggml_type, b))
+        return
+    qx, dx = quantize_x(x)
+    w = quant.dequantize_blocks(blocks, ggml_type).double()
+    magnitude = (qx * dx).reshape(rows, k).double().abs() @ w.abs().T + x.double().abs() @ (
+        w.abs().T
+    )
+    exact = int8_reference(x, blocks, ggml_type) + b.double()
+    _assert_float32_sums_rounded(ours, exact, magnitude)
+
+
+def test_int8_activations_stay_close_to_the_float_product() -> None:
+    """Quantizing x costs about 1/254 of each block's largest value, no more (Q8_0 weights)."""
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.fail("the C++ ops did not build")
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 576), torch.randn(300, 576)
+    blocks = quant.BlockWeight.quantize_q8_0(w, ops).blocks
+    exact = x.double() @ quant.dequantize_blocks(blocks, quant.Q8_0).double().T
+    error = (ops.gemm_gguf(x, blocks, quant.Q8_0, None, int8_x=True).double() - exact).abs()
+    assert error.max() < 0.02 * exact.abs().max()
+
+
+def test_bf16_linears_take_int8_activations_float32_ones_do_not() -> None:
+    torch.manual_seed(1)
+    linear = Linear(576, 64, bias=False)
+    linear.quantize()
+    assert linear.quant is not None and linear.quant.ops is not None
+    x = torch.randn(3, 576)
+    ops, blocks = linear.quant.ops, linear.quant.blocks
+    assert torch.equal(linear(x), ops.gemm_gguf(x, blocks, quant.Q8_0, None))
+    xb = x.bfloat16()
+    assert torch.equal(linear(xb), ops.gemm_gguf(xb, blocks, quant.Q8_0, None, int8_x=True))

@@ -1,0 +1,173 @@
+// GEMMs over GGUF's Q4_0, Q4_1 and Q8_0 blocks with the activations quantized to int8, as
+// llama.cpp runs them: each 32 values of a row of x become int8 q_x with one float scale
+// d_x = max |x| / 127, and a block's dot product is an integer one,
+//   x . w = d d_x sum(q q_x) + m sum(x)
+// (m: the block's offset, 0 for Q8_0; sum(x) exact in float32). AVX2's u8 x s8 multiply-add
+// (vpmaddubsw) takes all 32 products of a block in one instruction where the float path
+// widens them to floats 8 at a time: half the instructions a weight, on the bf16 (fast) path.
+// The float path (gguf_gemm.h) stays the exact one: float32 models, builds without AVX2.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "gguf_gemm.h"
+#include "small_gemm.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+namespace gguf_q8 {
+
+using gguf_gemm::half_at;
+using gguf_gemm::kBlock;
+
+// x [rows, K] float32 -> q [rows, K] int8 and d [rows, K / 32]: d = max |x| / 127 per 32
+// values, q = round(x / d) to nearest even (x * (1 / d), as llama.cpp's quantize_row_q8_0).
+inline void quantize_rows(const float* x, int64_t n_blocks, int8_t* q, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[c]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) / 127.0f;
+    d[b] = scale;
+    const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+    __m256i i[4];
+    for (int c = 0; c < 4; ++c) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], inv));
+    // Pack 4 x 8 int32 -> 32 int8; the packs interleave 128-bit lanes, the permute undoes it.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                         _mm256_packs_epi32(i[2], i[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(p, order));
+  }
+}
+
+inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32 u8: values 0-15, then 16-31
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// Each format: load() gives the block's 32 values (`u` unsigned: Q4 nibbles; else signed),
+// d and m; products() the 16 int16 pair sums of values x q_x.
+struct Q4_0 {
+  static constexpr int kType = 2, kBytes = 18;
+  static constexpr bool kHasMin = true;
+  static __m256i load(const uint8_t* b, float& d, float& m) {
+    d = half_at(b);
+    m = -8.0f * d;
+    return nibbles(b + 2);
+  }
+  static __m256i products(__m256i w, __m256i qx) { return _mm256_maddubs_epi16(w, qx); }
+};
+
+struct Q4_1 {
+  static constexpr int kType = 3, kBytes = 20;
+  static constexpr bool kHasMin = true;
+  static __m256i load(const uint8_t* b, float& d, float& m) {
+    d = half_at(b);
+    m = half_at(b + 2);
+    return nibbles(b + 4);
+  }
+  static __m256i products(__m256i w, __m256i qx) { return _mm256_maddubs_epi16(w, qx); }
+};
+
+struct Q8_0 {
+  static constexpr int kType = 8, kBytes = 34;
+  static constexpr bool kHasMin = false;
+  static __m256i load(const uint8_t* b, float& d, float& m) {
+    d = half_at(b);
+    m = 0.0f;
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  }
+  // s8 x s8 as |w| x (q_x with w's sign): |w| <= 127 keeps the pair sums within int16.
+  static __m256i products(__m256i w, __m256i qx) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(qx, w));
+  }
+};
+
+// Rows of quantized x . row n of F blocks.
+template <typename F>
+struct Q8Dot {
+  const int8_t* qx;    // [rows, K]
+  const float* dx;     // [rows, K / 32]
+  const float* xsum;   // [rows, K / 32]: exact sums of x per block
+  const uint8_t* w;    // [N, K / 32 * F::kBytes]
+  int64_t K;
+
+  template <int M>
+  void run(int64_t r0, int64_t n, float (&sums)[M]) const {
+    const int64_t blocks = K / kBlock;
+    const uint8_t* row = w + n * blocks * F::kBytes;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[M];
+    float offset[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float d, mn;
+      const __m256i q = F::load(row + b * F::kBytes, d, mn);
+      for (int m = 0; m < M; ++m) {
+        const int64_t r = (r0 + m) * blocks + b;
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * kBlock));
+        const __m256i dot = _mm256_madd_epi16(F::products(q, xq), ones);  // 8 int32 sums
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[r]), acc[m]);
+        if (F::kHasMin) offset[m] += mn * xsum[r];
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      sums[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + offset[m];
+    }
+  }
+};
+
+template <typename F, typename TX>
+void gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows, int64_t K,
+                 int64_t N, int num_threads) {
+  const std::vector<float> xf = small_gemm::widen_rows(x, rows, K);
+  const int64_t blocks = rows * (K / kBlock);
+  std::vector<int8_t> qx(rows * K);
+  std::vector<float> dx(blocks), xsum(blocks, 0.0f);
+  quantize_rows(xf.data(), blocks, qx.data(), dx.data());
+  for (int64_t i = 0; i < blocks; ++i)
+    for (int64_t c = 0; c < kBlock; ++c) xsum[i] += xf[i * kBlock + c];
+  const Q8Dot<F> dot{qx.data(), dx.data(), xsum.data(), w, K};
+  small_gemm::run(dot, bias, out, rows, N, N * (K / kBlock) * F::kBytes, num_threads);
+}
+
+// gguf_gemm::gemm with int8 activations; 3 for a type without an int8 path (the caller then
+// takes the float one).
+template <typename TX>
+int gemm(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows,
+         int64_t K, int64_t N, int num_threads) {
+  if (rows < 1 || K % kBlock != 0) return 2;
+  switch (type) {
+    case Q4_0::kType: gemm_format<Q4_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q4_1::kType: gemm_format<Q4_1>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q8_0::kType: gemm_format<Q8_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    default: return 3;
+  }
+}
+
+}  // namespace gguf_q8
+
+#else  // no AVX2: every type takes the float path
+
+namespace gguf_q8 {
+template <typename TX>
+int gemm(int, const TX*, const uint8_t*, const TX*, TX*, int64_t, int64_t, int64_t, int) {
+  return 3;
+}
+}  // namespace gguf_q8
+
+#endif
