@@ -51,7 +51,7 @@ clean:
 	rm -rf $(VENV) services/pb/*_pb2*.py* $(PB_STAMP)
 
 # All benchmarks, HF and vLLM beside Tessera: JSON, Markdown and PNG under bench-results/, tables
-# in README. vLLM's CPU build goes into its own venv, .bench/vllm, on first use (~5 minutes);
+# in docs/benchmarks.md. vLLM's CPU build goes into its own venv, .bench/vllm, on first use (~5 minutes);
 # `BENCH_ARGS="--skip vllm"` leaves it out. About 30 minutes on a quiet 2-core machine.
 bench: install
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
@@ -62,7 +62,7 @@ SOAK_ARGS ?=
 soak: install
 	$(PY) -m benchmarks.soak --out bench-results $(SOAK_ARGS)
 
-# Offline W1 only (HF, vLLM, Tessera): under 8 minutes once vLLM is installed; README untouched.
+# Offline W1 only (HF, vLLM, Tessera): under 8 minutes once vLLM is installed; docs/benchmarks.md untouched.
 bench-quick: install
 	$(PY) -m benchmarks.run_all --quick $(BENCH_ARGS)
 

@@ -1,4 +1,4 @@
-"""`make bench` / `tessera bench all`: every benchmark in one run, then the README table.
+"""`make bench` / `tessera bench all`: every benchmark in one run, then the tables of docs/benchmarks.md.
 
 Runs the decode micro-benchmark and offline throughput (HF and vLLM in the same run),
 the per-step scheduler + gRPC overhead, scheduler CPU time, speculative decoding (batch-1
@@ -9,7 +9,7 @@ a `tessera serve` and a vLLM OpenAI server it starts itself, one after the other
 the same client, prompts and rates. vLLM's CPU build lives in its own venv (`--vllm-venv`,
 installed on first use); if it cannot be installed or run, the results say so and the
 rest is still measured. `--quick` (`make bench-quick`) runs the offline benchmark only.
-Results land in bench-results/ (JSON, Markdown, PNG); the README's table between
+Results land in bench-results/ (JSON, Markdown, PNG); the part of docs/benchmarks.md between
 the bench markers is replaced with the combined Markdown (not by `--quick`).
 """
 
@@ -37,7 +37,7 @@ from benchmarks.vllm_env import (
 from services.default_model import resolve_model
 from services.healthcheck import http_healthy
 
-README = Path("README.md")
+BENCH_DOC = Path("docs/benchmarks.md")  # its bench section is replaced by each run
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 SECTIONS = [
     "decode", "offline", "serve", "step_overhead", "scheduler", "spec_decode", "lora", "quality",
@@ -103,20 +103,20 @@ def vllm_args(args: argparse.Namespace) -> tuple[VllmEnv | None, list[str]]:
     return replace(env, install=False), [*argv, "--no-vllm-install"]
 
 
-def update_readme(out_dir: Path) -> None:
-    """Replace the README's bench section with the Markdown tables and plots of this run."""
+def update_bench_doc(out_dir: Path) -> None:
+    """Replace the bench section of docs/benchmarks.md with the Markdown tables and plots of this run."""
     parts = []
     for name in SECTIONS:
         table = out_dir / f"{name}.md"
         if table.exists():
             parts.append(table.read_text().strip())
             if (out_dir / f"{name}.png").exists():
-                parts.append(f"![{name}]({out_dir.name}/{name}.png)")
-    text = README.read_text()
+                parts.append(f"![{name}](../{out_dir.name}/{name}.png)")  # from docs/
+    text = BENCH_DOC.read_text()
     if START in text and END in text:
         head, rest = text.split(START, 1)
         text = head + START + "\n\n" + "\n\n".join(parts) + "\n\n" + END + rest.split(END, 1)[1]
-        README.write_text(text)
+        BENCH_DOC.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         "--skip", nargs="*", default=[], choices=[*SECTIONS, "vllm"],
         help="benchmarks (or the vLLM engine) to leave out",
     )  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="offline W1 only; README left as is")
+    p.add_argument("--quick", action="store_true", help="offline W1 only; docs/benchmarks.md left as is")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM's virtualenv")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     args = p.parse_args(argv)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if "serve" not in skip:
         serve_both(args.port, env)
     if not args.quick:
-        update_readme(RESULTS_DIR)
+        update_bench_doc(RESULTS_DIR)
     print(f"== all benchmarks took {time.monotonic() - start:.0f} s", flush=True)
 
 

@@ -77,7 +77,7 @@ def missing_tools(podman: str | None, compose: list[str] | None) -> str | None:
     if podman is None:
         return "no container engine: `podman` is not on PATH (apt-get install podman runc)"
     if subprocess.run([podman, "info"], capture_output=True, check=False).returncode != 0:
-        return "podman is installed but `podman info` fails (README: podman settings)"
+        return "podman is installed but `podman info` fails (docs/deployment.md: podman settings)"
     if not compose or shutil.which(compose[0]) is None:
         return "no compose tool: install podman-compose (in its own venv) or pass --compose"
     return None
