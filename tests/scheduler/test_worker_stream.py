@@ -137,6 +137,7 @@ def test_a_reply_later_than_the_step_timeout_is_a_lost_worker(served: Served) ->
         start = time.monotonic()
         with pytest.raises(WorkerUnavailableError, match="CANCELLED"):
             client.execute_model(prefill(1))
-        assert time.monotonic() - start < 2.0
+        # Behavioural, not a timing budget: the call ended before the worker's reply existed.
+        assert time.monotonic() - start < served.worker.step_delay_s
     finally:
         client.close()
