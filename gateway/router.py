@@ -134,15 +134,28 @@ class EngineRouter:
         """Figures summed over replicas (KV usage over all their blocks)."""
         if len(self.replicas) == 1:
             return await self.replicas[0].client.stats()
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(r.client.stats(), AGGREGATE_TIMEOUT_S) for r in self.replicas),
-            return_exceptions=True,
-        )  # a replica that hangs leaves the sum instead of holding up /metrics
+        answers = [a for _, a in await self._gather_stats()]
         stats = [a for a in answers if isinstance(a, SchedulerStats)]
         if not stats:
             error = next(a for a in answers if isinstance(a, BaseException))
             raise error
         return aggregate_stats(stats)
+
+    async def replica_stats(self) -> list[tuple[str, SchedulerStats | None]]:
+        """(address, figures) of every replica; None for one that failed or did not answer
+        within AGGREGATE_TIMEOUT_S."""
+        return [
+            (address, a if isinstance(a, SchedulerStats) else None)
+            for address, a in await self._gather_stats()
+        ]
+
+    async def _gather_stats(self) -> list[tuple[str, SchedulerStats | BaseException]]:
+        replicas = list(self.replicas)
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(r.client.stats(), AGGREGATE_TIMEOUT_S) for r in replicas),
+            return_exceptions=True,
+        )  # a replica that hangs leaves the sum instead of holding up /metrics
+        return [(r.address, a) for r, a in zip(replicas, answers, strict=True)]
 
     async def healthy(self) -> bool:
         """True while at least one replica reports SERVING."""
