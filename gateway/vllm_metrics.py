@@ -176,9 +176,19 @@ class VllmMetrics:
         return {"model_name": self.model_name, "engine": engine}
 
     def add_engine(self, engine: str) -> None:
-        """Create `engine`'s request-success series at 0 for every reason (as vLLM does)."""
+        """Create every series of `engine` at 0 (request success for every reason), as vLLM
+        does, so dashboards see them before the first request."""
         for reason in FINISH_REASONS:
             self.request_success.labels(self.model_name, engine, reason)
+        for metric in self._per_engine():
+            metric.labels(self.model_name, engine)
+
+    def _per_engine(self) -> list[Gauge | Counter | Histogram]:
+        return [
+            v
+            for v in vars(self).values()
+            if isinstance(v, Gauge | Counter | Histogram) and v is not self.request_success
+        ] + list(self.scheduler_counters.values())
 
     # -- the scheduler's figures -------------------------------------------------------------
 
