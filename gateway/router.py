@@ -33,6 +33,7 @@ from types import TracebackType
 from gateway.engine_client import RPC_TIMEOUT_S, EngineClient, EngineStream
 from gateway.errors import ApiError, ServiceUnavailable
 from gateway.routing import Candidate, RoutingPolicy, affinity_key, choose, resolve_replicas
+from services.iteration_tokens import add_counts
 from services.step_types import SchedulerStats, ServerInfo
 from services.types import EngineCoreOutput, EngineCoreRequest
 
@@ -322,6 +323,10 @@ def aggregate_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in stats),
         spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
         spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),
+        iteration_tokens_bucket_counts=add_counts(
+            [s.iteration_tokens_bucket_counts for s in stats]
+        ),
+        iteration_tokens_sum=sum(s.iteration_tokens_sum for s in stats),
     )
 
 

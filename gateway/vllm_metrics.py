@@ -18,7 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from services.iteration_tokens import BUCKETS as ITERATION_TOKENS_BUCKETS
 from services.step_types import SchedulerStats
 
 LABELS = ("model_name", "engine")
@@ -104,6 +107,46 @@ class RunningTotals:
         return steps < self._last.get((source, "num_steps"), 0.0)
 
 
+class IterationTokens(Collector):
+    """vllm:iteration_tokens_total, the histogram of tokens per engine step, rebuilt from the
+    schedulers' running bucket counts (a prometheus_client Histogram can only observe)."""
+
+    def __init__(self, model_name: str, totals: RunningTotals) -> None:
+        self.model_name = model_name
+        self._totals = totals
+        self._counts: dict[str, list[float]] = {}  # engine -> steps per bucket (+1 past the last)
+        self._sums: dict[str, float] = {}
+
+    def add_engine(self, engine: str) -> None:
+        self._counts.setdefault(engine, [0.0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+        self._sums.setdefault(engine, 0.0)
+
+    def advance(self, source: str, engine: str, stats: SchedulerStats, restarted: bool) -> None:
+        """Add how much `source`'s bucket counts and sum grew since its previous figures."""
+        self.add_engine(engine)
+        counts = self._counts[engine]
+        for i, total in enumerate(stats.iteration_tokens_bucket_counts[: len(counts)]):
+            counts[i] += self._totals.increment(source, f"iteration_tokens_{i}", total, restarted)
+        total_sum = float(stats.iteration_tokens_sum)
+        self._sums[engine] += self._totals.increment(
+            source, "iteration_tokens_sum", total_sum, restarted
+        )
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            labels=list(LABELS),
+        )  # fmt: skip
+        bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+        for engine, counts in sorted(self._counts.items()):
+            cumulative, running = [], 0.0
+            for bound, count in zip(bounds, counts, strict=True):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric([self.model_name, engine], cumulative, self._sums[engine])
+        yield family
+
+
 class VllmMetrics:
     """The vllm:* series of one served model, on `registry`."""
 
@@ -170,6 +213,8 @@ class VllmMetrics:
         self.inference = _phase(r, "vllm:request_inference_time_seconds", "RUNNING")
         self.prefill = _phase(r, "vllm:request_prefill_time_seconds", "PREFILL")
         self.decode = _phase(r, "vllm:request_decode_time_seconds", "DECODE")
+        self.iteration_tokens = IterationTokens(model_name, self._totals)
+        registry.register(self.iteration_tokens)
         self.add_engine("0")
 
     def _labels(self, engine: str) -> dict[str, str]:
@@ -182,6 +227,7 @@ class VllmMetrics:
             self.request_success.labels(self.model_name, engine, reason)
         for metric in self._per_engine():
             metric.labels(self.model_name, engine)
+        self.iteration_tokens.add_engine(engine)
 
     def _per_engine(self) -> list[Gauge | Counter | Histogram]:
         return [
@@ -202,6 +248,7 @@ class VllmMetrics:
         for field, counter in self.scheduler_counters.items():
             total = float(getattr(stats, field))
             counter.labels(**labels).inc(self._totals.increment(source, field, total, restarted))
+        self.iteration_tokens.advance(source, engine, stats, restarted)
         self._totals.increment(source, "num_steps", float(stats.num_steps), restarted)
 
     def drop_engines(self, engines: Iterable[str]) -> None:

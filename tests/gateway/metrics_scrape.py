@@ -29,6 +29,7 @@ VLLM_SERIES = {
     "vllm:request_decode_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
 }
 # histograms observed once per finished request
 PER_REQUEST_HISTOGRAMS = [

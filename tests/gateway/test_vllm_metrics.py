@@ -19,6 +19,7 @@ from gateway.vllm_metrics import (
     RunningTotals,
     build_1_2_5_buckets,
 )
+from services.iteration_tokens import TokenHistogram, add_counts
 from services.step_types import SchedulerStats
 from services.types import (
     EngineCoreOutput,
@@ -127,6 +128,27 @@ def test_refused_request_is_not_counted() -> None:
     s = scrape(m)
     assert total(s, "vllm:request_success_total") == 0
     assert total(s, "vllm:e2e_request_latency_seconds_count") == 0
+
+
+def test_iteration_tokens_from_bucket_totals() -> None:
+    steps = TokenHistogram()
+    for n in (1, 8, 9, 20000):
+        steps.observe(n)
+    assert steps.counts[:3] == [1, 1, 1] and steps.counts[-1] == 1 and steps.sum == 20018
+    assert add_counts([[1, 2], [], [3, 4, 5]]) == [4, 6, 5]
+    m = GatewayMetrics()
+    m.bind_model("m", 64)
+    first = SchedulerStats(num_steps=4, iteration_tokens_sum=steps.sum)
+    first.iteration_tokens_bucket_counts = steps.counts
+    restarted = SchedulerStats(num_steps=1, iteration_tokens_sum=5)
+    restarted.iteration_tokens_bucket_counts = [0, 1]  # one step of 5 tokens since the restart
+    m.set_replica_stats([("a:1", first)])
+    m.set_replica_stats([("a:1", restarted)])
+    s = scrape(m)
+    assert total(s, "vllm:iteration_tokens_total_count") == 5
+    assert total(s, "vllm:iteration_tokens_total_sum") == 20023
+    assert total(s, "vllm:iteration_tokens_total_bucket", le="8.0") == 3
+    assert total(s, "vllm:iteration_tokens_total_bucket", le="+Inf") == 5
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,11 @@ def test_vllm_series_after_real_requests(stack: Stack) -> None:
     assert 0 < delta("vllm:request_prefill_time_seconds_sum") < ttft
     assert delta("vllm:prefix_cache_queries_total") >= usages[1].prompt_tokens
     assert delta("vllm:prefix_cache_hits_total") > 0  # the repeated chat prompt
+    steps = delta("vllm:iteration_tokens_total_count")  # tokens per engine step
+    generated = sum(u.completion_tokens for u in usages)
+    assert generated <= steps <= 2 * generated  # sequential requests; a pipelined step may run
+    scheduled = delta("vllm:iteration_tokens_total_sum")
+    assert 0 < scheduled <= sum(u.total_tokens for u in usages) + len(usages)
     assert total(after, "vllm:num_requests_running") == 0
     assert total(after, "vllm:num_requests_waiting") == 0
     assert total(after, "vllm:kv_cache_usage_perc") == 0
