@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
@@ -153,6 +154,7 @@ class VllmMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         self._totals = RunningTotals()
+        self._children: dict[tuple[int, str], Any] = {}
         labels = list(LABELS)
         r = registry
         self.running = Gauge(
@@ -260,32 +262,40 @@ class VllmMetrics:
 
     # -- requests ---------------------------------------------------------------------------
 
+    def _child(self, metric: Counter | Histogram, engine: str) -> Any:
+        """`metric`'s series for `engine`, looked up once (labels() costs microseconds);
+        only for request series, which are never removed."""
+        key = (id(metric), engine)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.model_name, engine)
+        return child
+
     def first_token(self, engine: str, ttft: float, num_prompt_tokens: int) -> None:
         """A request's first output token: TTFT, and its prompt counts as processed."""
-        self.ttft.labels(**self._labels(engine)).observe(ttft)
-        self.prompt_tokens.labels(**self._labels(engine)).inc(num_prompt_tokens)
+        self._child(self.ttft, engine).observe(ttft)
+        self._child(self.prompt_tokens, engine).inc(num_prompt_tokens)
 
     def tokens(self, engine: str, count: int, itl: float | None) -> None:
         """One output with `count` new tokens; `itl`: seconds since the previous output."""
-        labels = self._labels(engine)
-        self.generation_tokens.labels(**labels).inc(count)
+        self._child(self.generation_tokens, engine).inc(count)
         if itl is not None:
-            self.itl.labels(**labels).observe(itl)
+            self._child(self.itl, engine).observe(itl)
 
     def finished(self, engine: str, req: FinishedRequest) -> None:
-        labels = self._labels(engine)
-        self.request_success.labels(**labels, finished_reason=req.finish_reason).inc()
-        self.e2e.labels(**labels).observe(req.e2e)
-        self.queue.labels(**labels).observe(req.queued)
-        self.prefill.labels(**labels).observe(req.prefill)
-        self.decode.labels(**labels).observe(req.decode)
-        self.inference.labels(**labels).observe(req.prefill + req.decode)
-        self.request_prompt_tokens.labels(**labels).observe(req.num_prompt_tokens)
-        self.request_generation_tokens.labels(**labels).observe(req.num_generation_tokens)
+        child = self._child
+        self.request_success.labels(self.model_name, engine, req.finish_reason).inc()
+        child(self.e2e, engine).observe(req.e2e)
+        child(self.queue, engine).observe(req.queued)
+        child(self.prefill, engine).observe(req.prefill)
+        child(self.decode, engine).observe(req.decode)
+        child(self.inference, engine).observe(req.prefill + req.decode)
+        child(self.request_prompt_tokens, engine).observe(req.num_prompt_tokens)
+        child(self.request_generation_tokens, engine).observe(req.num_generation_tokens)
         tpot = req.decode / (req.num_generation_tokens - 1) if req.num_generation_tokens > 1 else 0
-        self.request_tpot.labels(**labels).observe(tpot)
+        child(self.request_tpot, engine).observe(tpot)
         if req.max_tokens:
-            self.request_max_tokens.labels(**labels).observe(req.max_tokens)
+            child(self.request_max_tokens, engine).observe(req.max_tokens)
 
 
 def _histogram(
