@@ -8,6 +8,7 @@ request-id / auth / access-log middleware.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 from typing import Any
@@ -77,11 +78,13 @@ class BasicRoutes:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
+        with contextlib.suppress(ApiError, TimeoutError):  # the vllm:* series need the model
+            await asyncio.wait_for(self.serving.model_card(), STATS_TIMEOUT_S)
         try:
-            stats = await asyncio.wait_for(self.serving.engine.stats(), STATS_TIMEOUT_S)
-        except (ApiError, TimeoutError):
-            stats = None
-        self.serving.metrics.set_scheduler_stats(stats)
+            replicas = await asyncio.wait_for(self.serving.engine.replica_stats(), STATS_TIMEOUT_S)
+        except TimeoutError:
+            replicas = []
+        self.serving.metrics.set_replica_stats(replicas)
         return Response(self.serving.metrics.render(), media_type=gm.CONTENT_TYPE)
 
     async def tokenize(self, request: Request) -> Response:

@@ -33,6 +33,7 @@ from types import TracebackType
 from gateway.engine_client import RPC_TIMEOUT_S, EngineClient, EngineStream
 from gateway.errors import ApiError, ServiceUnavailable
 from gateway.routing import Candidate, RoutingPolicy, affinity_key, choose, resolve_replicas
+from services.iteration_tokens import add_counts
 from services.step_types import SchedulerStats, ServerInfo
 from services.types import EngineCoreOutput, EngineCoreRequest
 
@@ -134,15 +135,28 @@ class EngineRouter:
         """Figures summed over replicas (KV usage over all their blocks)."""
         if len(self.replicas) == 1:
             return await self.replicas[0].client.stats()
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(r.client.stats(), AGGREGATE_TIMEOUT_S) for r in self.replicas),
-            return_exceptions=True,
-        )  # a replica that hangs leaves the sum instead of holding up /metrics
+        answers = [a for _, a in await self._gather_stats()]
         stats = [a for a in answers if isinstance(a, SchedulerStats)]
         if not stats:
             error = next(a for a in answers if isinstance(a, BaseException))
             raise error
         return aggregate_stats(stats)
+
+    async def replica_stats(self) -> list[tuple[str, SchedulerStats | None]]:
+        """(address, figures) of every replica; None for one that failed or did not answer
+        within AGGREGATE_TIMEOUT_S."""
+        return [
+            (address, a if isinstance(a, SchedulerStats) else None)
+            for address, a in await self._gather_stats()
+        ]
+
+    async def _gather_stats(self) -> list[tuple[str, SchedulerStats | BaseException]]:
+        replicas = list(self.replicas)
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(r.client.stats(), AGGREGATE_TIMEOUT_S) for r in replicas),
+            return_exceptions=True,
+        )  # a replica that hangs leaves the sum instead of holding up /metrics
+        return [(r.address, a) for r, a in zip(replicas, answers, strict=True)]
 
     async def healthy(self) -> bool:
         """True while at least one replica reports SERVING."""
@@ -309,6 +323,10 @@ def aggregate_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in stats),
         spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
         spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),
+        iteration_tokens_bucket_counts=add_counts(
+            [s.iteration_tokens_bucket_counts for s in stats]
+        ),
+        iteration_tokens_sum=sum(s.iteration_tokens_sum for s in stats),
     )
 
 

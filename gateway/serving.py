@@ -123,6 +123,7 @@ class Serving:
             vocab = info.vocab_size or self.tokenizer.vocab_size
             created, runner = int(time.time()), info.runner or "generate"
             self._card = ModelCard(name, info.max_model_len, vocab, created, info.host_id, runner)
+            self.metrics.bind_model(name, info.max_model_len)
             self.tokenizer.limit_tokens(info.max_model_len)
         return self._card
 
@@ -277,20 +278,22 @@ class Serving:
     ) -> None:
         """Stream one engine request into `queue`: deltas, or the exception, then _DONE."""
         processor = self._processor(job, index, request.prompt_token_ids)
-        timer = self.metrics.request_timer(job.arrival_time)
+        tracker = self.metrics.track_request(request)
         try:
             async with self.engine.generate(request) as stream:
                 async for out in stream:
+                    tracker.on_output(out, stream.replica)
                     delta = processor.on_output(out)
-                    timer.tokens(len(out.new_token_ids))
                     await queue.put(delta)
                     if delta.finish_reason is not None:
-                        timer.finish()
+                        tracker.finish(delta.finish_reason)
                         return  # leaving `async with` cancels the call (stop string)
             raise EngineError("the engine closed the stream before the request finished")
         except Exception as exc:
+            tracker.finish("error" if isinstance(exc, EngineError) else None)  # None: refused
             await queue.put(exc)
         finally:
+            tracker.finish("abort")  # cancelled (client gone, deadline); no-op once finished
             await queue.put(_DONE)
 
 

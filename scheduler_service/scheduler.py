@@ -36,6 +36,7 @@ from scheduler_service.spec_decode import SpecDecodeStats, SpeculativeScheduling
 from scheduler_service.step_plan import StepPlan
 from scheduler_service.stop import check_stop
 from services.config import SchedulerConfig
+from services.iteration_tokens import TokenHistogram
 from services.step_types import ModelRunnerOutput, SampledTokens, SchedulerOutput, SchedulerStats
 from services.types import EngineCoreOutput, FinishReason
 
@@ -78,6 +79,7 @@ class Scheduler(SpeculativeScheduling):
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_steps = 0
+        self.iteration_tokens = TokenHistogram()  # steps by tokens scheduled
         self.queue_times: deque[float] = deque(maxlen=_RECENT)
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -291,6 +293,8 @@ class Scheduler(SpeculativeScheduling):
         if runner_output.draft_token_ids and self.num_spec_tokens:
             self._keep_drafts(runner_output)
         self.num_steps += 1
+        if scheduler_output.total_num_scheduled_tokens:
+            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         return outputs
 
     def _commit(
@@ -439,6 +443,8 @@ class Scheduler(SpeculativeScheduling):
             spec_decode_num_drafts=self.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            iteration_tokens_bucket_counts=list(self.iteration_tokens.counts),
+            iteration_tokens_sum=self.iteration_tokens.sum,
         )
 
 

@@ -185,3 +185,5 @@ class SchedulerStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    iteration_tokens_bucket_counts: list[int] = field(default_factory=list)  # steps per bucket
+    iteration_tokens_sum: int = 0  # tokens scheduled over all steps

@@ -206,6 +206,8 @@ CASES: list[Any] = [
         spec_decode_num_drafts=5,
         spec_decode_num_draft_tokens=20,
         spec_decode_num_accepted_tokens=9,
+        iteration_tokens_bucket_counts=[2, 0, 3],
+        iteration_tokens_sum=40,
     ),
 ]
 CASES.append(StructuredOutputParams(json='{"type": "object"}'))
