@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         "--skip", nargs="*", default=[], choices=[*SECTIONS, "vllm"],
         help="benchmarks (or the vLLM engine) to leave out",
     )  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="offline W1 only; docs/benchmarks.md left as is")
+    p.add_argument(
+        "--quick", action="store_true", help="offline W1 only; docs/benchmarks.md left as is"
+    )
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM's virtualenv")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     args = p.parse_args(argv)
