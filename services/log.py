@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import sys
+from typing import TextIO
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 trace_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("trace_id", default="")
@@ -51,9 +52,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def setup_logging(service: str, level: str = "INFO", log_format: str = "text") -> None:
-    """Configure the root logger to write `log_format` ("text" or "json") lines to stderr."""
-    handler = logging.StreamHandler(sys.stderr)
+def setup_logging(
+    service: str, level: str = "INFO", log_format: str = "text", stream: TextIO | None = None
+) -> None:
+    """Configure the root logger to write `log_format` ("text" or "json") lines to `stream`
+    (default: stderr)."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.addFilter(_RequestIdFilter())
     if log_format == "json":
         handler.setFormatter(JsonFormatter(service))
