@@ -93,10 +93,10 @@ def test_rest_request_continues_the_clients_trace(traced: Stack, spans: Any) -> 
     assert _hex(root.context.trace_id, 32) == TRACE_ID
     assert root.parent is not None and _hex(root.parent.span_id, 16) == CLIENT_SPAN
     for child in ("parse", "tokenize"):
-        assert got[child].parent is not None
-        assert got[child].parent.span_id == root.context.span_id
+        parent = got[child].parent
+        assert parent is not None and parent.span_id == root.context.span_id
         assert got[child].context.trace_id == root.context.trace_id
-    a = root.attributes or {}
+    a: dict[str, Any] = dict(root.attributes or {})
     assert a["gen_ai.request.id"] == reply.id
     assert a["gen_ai.response.model"] == MODEL_NAME
     assert a["gen_ai.request.max_tokens"] == 50

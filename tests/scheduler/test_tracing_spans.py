@@ -12,8 +12,8 @@ from scheduler_service.engine import EngineCore
 from scheduler_service.tracing import RequestSpans
 from services.step_types import ModelRunnerOutput, SchedulerOutput
 from services.types import EngineCoreOutput, EngineCoreRequest, SamplingParams
-from tests.scheduler.test_engine_core import make_engine
 from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.test_engine_core import make_engine
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -32,7 +32,9 @@ class RecordingWorker(FakeWorker):
         return super().execute_model(scheduler_output)
 
 
-def _traced_engine(every_step: bool) -> tuple[EngineCore, RecordingWorker, RequestSpans, InMemorySpanExporter]:
+def _traced_engine(
+    every_step: bool,
+) -> tuple[EngineCore, RecordingWorker, RequestSpans, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
