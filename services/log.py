@@ -70,3 +70,10 @@ def setup_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def current_log_format() -> str:
+    """The format `setup_logging` gave the root logger ("text" unless it is "json"): what a
+    process started by this one (a tensor-parallel rank) is told to use."""
+    handlers = logging.getLogger().handlers
+    return "json" if handlers and isinstance(handlers[0].formatter, JsonFormatter) else "text"

@@ -154,3 +154,12 @@ def test_parsers_share_one_declaration() -> None:
     tracing.add_observability_args(p)
     names = {a.dest for a in p._actions} - {"help"}
     assert names == {"otlp_traces_endpoint", "collect_detailed_traces", "log_format"}
+
+
+def test_tensor_parallel_ranks_inherit_the_format(restore_logging: object) -> None:
+    from services.log import current_log_format
+
+    setup_logging("worker", "INFO", "json", stream=io.StringIO())
+    assert current_log_format() == "json"
+    setup_logging("worker", "INFO", "text", stream=io.StringIO())
+    assert current_log_format() == "text"
