@@ -69,6 +69,11 @@ class RequestTrace:
             attributes[A.GEN_AI_REQUEST_MAX_TOKENS] = o.max_tokens
         self.span.set_attributes(attributes)
 
+    def describe_embedding(self, request_id: str, model: str, prompt_tokens: int) -> None:
+        """An embedding request: its id, model and input tokens (no generation)."""
+        self.prompt_tokens = prompt_tokens
+        self.span.set_attributes({A.GEN_AI_REQUEST_ID: request_id, A.GEN_AI_RESPONSE_MODEL: model})
+
     def count(self, stream: AsyncIterable[EngineCoreOutput]) -> AsyncIterator[EngineCoreOutput]:
         """`stream`, noting the first token's time and the tokens generated."""
         return _Counted(self, stream.__aiter__())

@@ -97,7 +97,7 @@ def test_rest_request_continues_the_clients_trace(traced: Stack, spans: Any) -> 
         assert parent is not None and parent.span_id == root.context.span_id
         assert got[child].context.trace_id == root.context.trace_id
     a: dict[str, Any] = dict(root.attributes or {})
-    assert a["gen_ai.request.id"] == reply.id
+    assert a["gen_ai.request.id"] == reply.model_dump()["id"]
     assert a["gen_ai.response.model"] == MODEL_NAME
     assert a["gen_ai.request.max_tokens"] == 50
     assert a["gen_ai.request.temperature"] == 0.5
@@ -177,3 +177,25 @@ def test_json_log_lines_carry_request_and_trace_ids(traced: Stack, spans: Any) -
     assert entry["trace_id"] == TRACE_ID
     assert entry["service"] == "gateway"
     assert json.loads(entry["message"])["path"] == "/v1/chat/completions"
+
+
+def test_embedding_requests_are_traced(
+    tokenizer: Tokenizer, traced: Stack, exporter: InMemorySpanExporter
+) -> None:
+    """/v1/embeddings: the root, tokenize, and the context on every engine request."""
+    exporter.clear()
+    pooling = start_stack(tokenizer, runner="pooling")  # built while `traced` traces
+    try:
+        reply = _client(pooling).embeddings.create(
+            model=MODEL_NAME, input=["one", "two"], extra_headers={"traceparent": TRACEPARENT}
+        )
+    finally:
+        pooling.stop()
+    got = _by_name(_finished(exporter))
+    root = got["llm_request"]
+    assert root.parent is not None and _hex(root.parent.span_id, 16) == CLIENT_SPAN
+    assert "tokenize" in got
+    assert (root.attributes or {})["gen_ai.request.id"] == reply.model_dump()["id"]
+    assert (root.attributes or {})["gen_ai.usage.prompt_tokens"] == reply.usage.prompt_tokens
+    assert len(pooling.engine.requests) == 2
+    assert all(TRACE_ID in r.trace_headers["traceparent"] for r in pooling.engine.requests)
