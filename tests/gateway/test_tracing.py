@@ -164,6 +164,9 @@ def test_json_log_lines_carry_request_and_trace_ids(traced: Stack, spans: Any) -
             max_tokens=3,
             extra_headers={"traceparent": TRACEPARENT, "x-request-id": "req-json-1"},
         )
+        deadline = time.monotonic() + 5  # the access line is written after the last byte
+        while '"gateway.access"' not in buffer.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         root_logger.handlers[:], level = saved
         root_logger.setLevel(level)
