@@ -15,6 +15,7 @@ from services.hub import add_hub_args, hub_from_args
 from services.log import setup_logging
 from services.lora_config import add_lora_args, lora_from_args
 from services.security import API_KEY_ENV, add_security_args, security_from_args
+from services.tracing import add_observability_args, init_tracing, observability_from_args
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -75,6 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_lora_args(p)
     add_security_args(p)  # the gateway's channel to the scheduler
+    add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -114,7 +116,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    setup_logging("gateway", args.log_level)
+    try:
+        observability = observability_from_args(args)
+        setup_logging("gateway", args.log_level, observability.log_format)
+        init_tracing("gateway", observability)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     set_internal_security(security_from_args(args))
     asyncio.run(_serve(config_from_args(args)))
 

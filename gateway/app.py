@@ -33,6 +33,8 @@ from gateway.openapi import openapi_document
 from gateway.protocol import DetokenizeRequest, TokenizeRequest, parse
 from gateway.serving import Serving
 from gateway.tools import chat_turns
+from gateway.tracing import TracingMiddleware
+from services import tracing
 from services.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -156,6 +158,8 @@ def build_app(config: GatewayConfig, serving: Serving) -> Starlette:
         ),
         Middleware(BodyBudgetMiddleware, budget=serving.byte_budget),
     ]
+    if tracing.tracer() is not None:  # outside the access log, so its line has the trace id
+        middleware.insert(0, Middleware(TracingMiddleware))
     if config.cors_allow_origins:  # outermost, so even a 401 carries the CORS headers
         middleware.insert(
             0,

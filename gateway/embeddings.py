@@ -28,6 +28,7 @@ from gateway.http_io import read_json, until_disconnect
 from gateway.protocol import INT32_MAX, parse
 from gateway.serving import ModelCard, Serving
 from gateway.strict import Strict
+from gateway.tracing import current_trace, span
 from services.default_model import resolve_model
 from services.pooling import PoolerConfig, check_pooling_params, read_pooler_config
 from services.types import EngineCoreOutput, EngineCoreRequest, FinishReason, PoolingParams
@@ -109,8 +110,11 @@ class Embedder:
             check_pooling_params(params, self.pooler, card.name)
         except ValueError as exc:
             raise InvalidRequest(str(exc), "dimensions") from None
-        prompts = [await self._encode(item, card) for item in inputs]
+        with span("tokenize"):
+            prompts = [await self._encode(item, card) for item in inputs]
         request_id = rs.new_id("embd")
+        if (trace := current_trace()) is not None:
+            trace.describe_embedding(request_id, card.name, sum(map(len, prompts)))
         with self.serving.admit():
             vectors = await self._run(request_id, prompts, params, timeout_s)
         return Embedded(request_id, card.name, vectors, prompts)
@@ -153,7 +157,9 @@ class Embedder:
         return [task.result() for task in tasks]
 
     async def _one(self, request_id: str, ids: list[int], params: PoolingParams) -> bytes:
-        request = EngineCoreRequest(request_id, ids, pooling_params=params)
+        trace = current_trace()
+        headers = trace.headers if trace is not None else {}
+        request = EngineCoreRequest(request_id, ids, pooling_params=params, trace_headers=headers)
         last: EngineCoreOutput | None = None
         async with self.serving.engine.generate(request) as stream:
             async for out in stream:

@@ -29,6 +29,7 @@ from gateway.media import check_image_count, prepare_chat_images
 from gateway.options import TextOptions
 from gateway.protocol import ROLES, ChatMessage, GrpcOptions, parse
 from gateway.serving import GenerateJob, Serving
+from gateway.tracing import grpc_trace, span
 from services.config import SecurityConfig
 from services.grpc_utils import GrpcServer, Registration
 from services.pb import generate_pb2 as pb
@@ -204,7 +205,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def _completion_job(self, request: pb.CompletionRequest) -> tuple[GenerateJob, str]:
         card = await self.serving.check_model(request.model)
         options = text_options(request.params, request.priority)
-        prompt = await self.serving.tokenizer.encode_async(request.prompt)
+        with span("tokenize"):
+            prompt = await self.serving.tokenizer.encode_async(request.prompt)
         job = GenerateJob(rs.new_id("cmpl"), [prompt], options, lora_request=card.lora_request)
         return job, card.name
 
@@ -217,16 +219,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         check_image_count(self.serving.images, card.name, images)
         with_images = image_messages(request.messages)
         try:
-            if with_images is not None:
-                tok = self.serving.tokenizer
-                job.images = await prepare_chat_images(
-                    self.serving.images, card.name, with_images, turns, tok, card.host_id
+            with span("tokenize"):
+                if with_images is not None:
+                    tok = self.serving.tokenizer
+                    job.images = await prepare_chat_images(
+                        self.serving.images, card.name, with_images, turns, tok, card.host_id
+                    )
+                job.prompts.append(
+                    job.images.token_ids
+                    if job.images
+                    else await self.serving.tokenizer.encode_chat_async(turns)
                 )
-            job.prompts.append(
-                job.images.token_ids
-                if job.images
-                else await self.serving.tokenizer.encode_chat_async(turns)
-            )
         except ApiError:
             raise
         except Exception as exc:
@@ -234,6 +237,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         return job, card.name
 
     async def _unary(self, make_job: Any, given_id: str, context: Any) -> pb.GenerateResponse:
+        with grpc_trace(context):
+            return await self._unary_call(make_job, given_id, context)
+
+    async def _unary_call(self, make_job: Any, given_id: str, context: Any) -> pb.GenerateResponse:
         job, model = await _checked(make_job, context)
         _honour_deadline(job, context)
         collector = rs.Collector(job)
@@ -253,25 +260,26 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def _stream(
         self, make_job: Any, given_id: str, context: Any
     ) -> AsyncIterator[pb.GenerateChunk]:
-        job, _ = await _checked(make_job, context)
-        _honour_deadline(job, context)
-        collector = rs.Collector(job)
-        rid = given_id or job.request_id
-        try:
-            with self.serving.admit():
-                async for delta in self.serving.generate(job):
-                    collector.add(delta)
-                    if delta.text or delta.finish_reason:
-                        usage = _usage(collector) if delta.finish_reason else None
-                        yield pb.GenerateChunk(
-                            id=rid,
-                            text=delta.text,
-                            finish_reason=delta.finish_reason or "",
-                            usage=usage,
-                        )
-        except ApiError as exc:
-            job.release()  # admission refused: the stream never ran
-            await context.abort(exc.grpc_code, exc.message)
+        with grpc_trace(context):
+            job, _ = await _checked(make_job, context)
+            _honour_deadline(job, context)
+            collector = rs.Collector(job)
+            rid = given_id or job.request_id
+            try:
+                with self.serving.admit():
+                    async for delta in self.serving.generate(job):
+                        collector.add(delta)
+                        if delta.text or delta.finish_reason:
+                            usage = _usage(collector) if delta.finish_reason else None
+                            yield pb.GenerateChunk(
+                                id=rid,
+                                text=delta.text,
+                                finish_reason=delta.finish_reason or "",
+                                usage=usage,
+                            )
+            except ApiError as exc:
+                job.release()  # admission refused: the stream never ran
+                await context.abort(exc.grpc_code, exc.message)
 
 
 def _honour_deadline(job: GenerateJob, context: Any) -> None:

@@ -29,6 +29,7 @@ from gateway.output import ChoiceDelta
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.reasoning import ReasoningParser
 from gateway.serving import GenerateJob, Serving
+from gateway.tracing import span
 from services.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class OpenAIRoutes:
             self.tool_parser = tool_parsers.detect(serving.tokenizer.hf)
 
     async def chat(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body_bytes)
-        req = parse(ChatCompletionRequest, body, self.serving.limits)
+        with span("parse"):
+            body = await read_json(request, self.max_body_bytes)
+            req = parse(ChatCompletionRequest, body, self.serving.limits)
         options = tools.chat_options(req)
         plan = tools.plan_for(req, self.tool_parser)
         if plan is not None and self.tool_parser == "mistral":  # [TOOL_CALLS] is special
@@ -55,17 +57,18 @@ class OpenAIRoutes:
         card = await self.serving.check_model(req.model)
         self.serving.check_runner(card, "generate")
         job = GenerateJob(rs.new_id("chatcmpl"), [], options, lora_request=card.lora_request)
-        if req.has_images:
-            job.images = await prepare_chat_images(
-                self.serving.images,
-                card.name,
-                req.messages,
-                self._chat_turns(req),
-                self.serving.tokenizer,
-                card.host_id,
-                req.chat_template_kwargs,
-            )
-        job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
+        with span("tokenize"):
+            if req.has_images:
+                job.images = await prepare_chat_images(
+                    self.serving.images,
+                    card.name,
+                    req.messages,
+                    self._chat_turns(req),
+                    self.serving.tokenizer,
+                    card.host_id,
+                    req.chat_template_kwargs,
+                )
+            job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
         collector = rs.Collector(job)
         try:
             first, stream = await self._start(request, job)
@@ -89,12 +92,14 @@ class OpenAIRoutes:
         return EventSourceResponse(events, sep="\n", ping=600)
 
     async def completions(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body_bytes)
-        req = parse(CompletionRequest, body, self.serving.limits)
+        with span("parse"):
+            body = await read_json(request, self.max_body_bytes)
+            req = parse(CompletionRequest, body, self.serving.limits)
         options = req.options()
         card = await self.serving.check_model(req.model)
         self.serving.check_runner(card, "generate")
-        prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]
+        with span("tokenize"):
+            prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]
         want_prompt_lp = bool(req.echo) and options.logprobs is not None
         job = GenerateJob(
             rs.new_id("cmpl"),

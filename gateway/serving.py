@@ -35,6 +35,7 @@ from gateway.output import ChoiceDelta, OutputProcessor
 from gateway.protocol import TextOptions
 from gateway.router import EngineRouter
 from gateway.tokenizer import Tokenizer
+from gateway.tracing import RequestTrace, current_trace
 from services.config import DEFAULT_MODEL, RequestLimits
 from services.step_types import ServerInfo
 from services.types import EngineCoreRequest, LoRARequest
@@ -69,6 +70,7 @@ class GenerateJob:
     arrival_time: float = field(default_factory=time.time)
     images: PreparedImages | None = None  # the prompt's image handles, owned by the job
     lora_request: LoRARequest | None = None  # the adapter the request's model names
+    trace: RequestTrace | None = field(default_factory=current_trace)  # None: untraced
 
     def release(self) -> None:
         """Free the job's image memory (unlink shm segments); once the request ended."""
@@ -209,6 +211,8 @@ class Serving:
 
     async def _generate(self, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
         card = await self.model_card()
+        if job.trace is not None:
+            job.trace.describe(job, job.lora_request.lora_name if job.lora_request else card.name)
         requests = [self._engine_request(job, i, prompt, card) for i, prompt in job.choices()]
         check_token_budget([r.sampling_params.max_tokens or 0 for _, r in requests], self.limits)
         deadline = _Deadline(self.limits.timeout_s(job.options.timeout_s), job.arrival_time)
@@ -259,6 +263,7 @@ class Serving:
             priority=job.options.priority,
             mm_inputs=job.images.mm_inputs if job.images is not None else [],
             lora_request=job.lora_request,
+            trace_headers=job.trace.headers if job.trace is not None else {},
         )
         return index, request
 
@@ -280,13 +285,16 @@ class Serving:
         processor = self._processor(job, index, request.prompt_token_ids)
         tracker = self.metrics.track_request(request)
         try:
+            trace = job.trace
             async with self.engine.generate(request) as stream:
-                async for out in stream:
+                async for out in stream if trace is None else trace.count(stream):
                     tracker.on_output(out, stream.replica)
                     delta = processor.on_output(out)
                     await queue.put(delta)
                     if delta.finish_reason is not None:
                         tracker.finish(delta.finish_reason)
+                        if trace is not None:
+                            trace.finish_choice(len(request.prompt_token_ids), out)
                         return  # leaving `async with` cancels the call (stop string)
             raise EngineError("the engine closed the stream before the request finished")
         except Exception as exc:

@@ -12,12 +12,14 @@ from collections.abc import Sequence
 
 from scheduler_service.engine import EngineCore
 from scheduler_service.service import EngineCoreServer
+from scheduler_service.tracing import RequestSpans
 from scheduler_service.worker_client import GrpcWorkerClient
 from services.config import CacheConfig, SchedulerConfig, SpeculativeConfig, add_speculative_arg
 from services.grpc_utils import health_status, set_internal_security
 from services.log import setup_logging
 from services.lora_config import add_lora_args, lora_from_args
 from services.security import add_security_args, security_from_args
+from services.tracing import add_observability_args, init_tracing, observability_from_args, tracer
 
 log = logging.getLogger("scheduler_service")
 
@@ -90,6 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_speculative_arg(p)
     add_security_args(p)
     add_lora_args(p)
+    add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -129,6 +132,9 @@ async def serve(args: argparse.Namespace) -> None:
     workers = [GrpcWorkerClient(a, step_timeout_s=args.step_timeout_s) for a in args.worker]
     engine = await asyncio.to_thread(EngineCore, scheduler_config, cache_config, workers)
     server = EngineCoreServer(f"{args.host}:{args.port}", engine, args.worker)
+    if tracer() is not None:
+        spans = RequestSpans(tracer(), observability_from_args(args).every_step)
+        server.servicer.spans, engine.on_schedule = spans, spans.tag_step
     await server.start()
     info = engine.server_info()
     log.info(
@@ -148,8 +154,10 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging("scheduler", args.log_level)
     try:
+        observability = observability_from_args(args)
+        setup_logging("scheduler", args.log_level, observability.log_format)
+        init_tracing("scheduler", observability)
         set_internal_security(security_from_args(args))
         asyncio.run(serve(args))
     except (ValueError, TimeoutError, RuntimeError) as exc:

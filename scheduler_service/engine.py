@@ -59,6 +59,8 @@ class EngineCore:
         self._submitter = StepSubmitter(self.workers)
         self._in_flight: InFlightStep | None = None  # async scheduling: the step running now
         self._last_commit = 0.0
+        # Runs on each step just scheduled, before the workers get it (tracing samples steps).
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
 
     # ---- handshake ------------------------------------------------------------
 
@@ -226,6 +228,8 @@ class EngineCore:
             return self._step_async(on_scheduled)
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(scheduler_output)
         if on_scheduled is not None:
             on_scheduled()
         return self._complete(scheduler_output, start, lambda: self._execute(scheduler_output))
@@ -234,6 +238,8 @@ class EngineCore:
         """Schedule and start step n+1, then wait for step n and commit it."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(scheduler_output)
         step = None
         if has_work(scheduler_output):
             step = self._submitter.submit(scheduler_output, start)

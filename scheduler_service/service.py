@@ -16,6 +16,7 @@ from scheduler_service.engine import EngineCore
 from scheduler_service.engine_loop import EngineLoop
 from scheduler_service.output_stream import OutputStream
 from scheduler_service.session import Session
+from scheduler_service.tracing import RequestSpans
 from services.convert import from_proto, to_proto
 from services.grpc_utils import GrpcServer, Registration, health_status
 from services.log import request_id_var
@@ -58,6 +59,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self.on_health_change: Callable[[], None] | None = None  # set by EngineCoreServer
         self.workers_answer = True  # last worker probe result, set by EngineCoreServer
+        self.spans: RequestSpans | None = None  # traced requests' spans; None: tracing off
 
     def start(self) -> None:
         self._aio_loop = asyncio.get_running_loop()
@@ -74,6 +76,8 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             self._aio_loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        if self.spans is not None:
+            self.spans.observe(outputs)
         sinks = self._sinks
         for output in outputs:
             sink = sinks.get(output.request_id)
@@ -102,7 +106,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
         finished = False
         try:
             try:
-                self.loop.submit(req)
+                self._submit(req)
             except RuntimeError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             while not finished:
@@ -149,7 +153,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
                 return session.reject(request_id, _ALREADY_EXISTS, "request_id already in flight")
             if not self.serving:
                 return session.reject(request_id, _UNAVAILABLE, "engine is not serving")
-            self.loop.submit(req)  # outputs are dispatched on this thread, after this returns
+            self._submit(req)  # outputs are dispatched on this thread, after this returns
         except ValueError as exc:
             return session.reject(request_id, _INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:
@@ -159,6 +163,17 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             return session.reject(request_id, _INTERNAL, f"{type(exc).__name__}: {exc}")
         self._sinks[request_id] = session
         session.live.add(request_id)
+
+    def _submit(self, req: EngineCoreRequest) -> None:
+        """`loop.submit`, tracking a traced request first (the engine may schedule it at once)."""
+        if self.spans is None:
+            return self.loop.submit(req)
+        self.spans.add(req)
+        try:
+            self.loop.submit(req)
+        except BaseException:
+            self.spans.discard(req.request_id)
+            raise
 
     def _abort_in_session(self, session: Session, request_ids: Sequence[str]) -> None:
         """Abort the session's requests among `request_ids`; their updates stop at once."""

@@ -61,6 +61,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     scheduled_spec_decode_tokens: list[DraftTokens] = field(default_factory=list)
+    trace_contexts: list[str] = field(default_factory=list)  # traceparents: a sampled step
 
 
 @dataclass(slots=True)

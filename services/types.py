@@ -215,6 +215,7 @@ class EngineCoreRequest:
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # set: an embedding request (prefill only)
     lora_request: LoRARequest | None = None  # None: the base model
+    trace_headers: dict[str, str] = field(default_factory=dict)  # W3C trace context; {}: none
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from services.hub import add_hub_args, hub_from_args, is_hub_id, resolve_hub_mod
 from services.lora_config import add_lora_args, lora_flags
 from services.pooling import add_runner_args, runner_from_args
 from services.security import API_KEY_ENV, TOKEN_ENV
+from services.tracing import add_observability_args, observability_flags
 from tessera.data_parallel import add_data_parallel_args, data_parallel_replicas
 from tessera.launcher import (
     LIVENESS_TIMEOUT_S,
@@ -99,6 +100,7 @@ def _serve_parser(
     add_media_args(p)
     add_chat_args(p)
     p.add_argument("--log-level", default="INFO")
+    add_observability_args(p)
     add_data_parallel_args(p)
     add_lora_args(p)
     p.add_argument(
@@ -126,7 +128,7 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     spec = SpeculativeConfig.parse(args.speculative_config)  # ValueError before anything starts
     spec_flags = ["--speculative-config", spec.to_json()] if spec is not None else []
     replicas = data_parallel_replicas(args, args.host if args.engine_only else "127.0.0.1")
-    common = ["--log-level", args.log_level]
+    common = ["--log-level", args.log_level, *observability_flags(args)]
     model, name = _model_source(args)
     lora = lora_flags(args)  # every service takes them
     env = {TOKEN_ENV: token}

@@ -22,6 +22,7 @@ from services.log import setup_logging
 from services.lora_config import add_lora_args, lora_from_args
 from services.pooling import add_runner_args, runner_from_args
 from services.security import add_security_args, security_from_args
+from services.tracing import add_observability_args, init_tracing, observability_from_args
 from worker_service.cpu_kernels import add_kernel_args
 from worker_service.server import build_server
 
@@ -63,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_security_args(p)
     add_parallel_args(p)
     add_lora_args(p)
+    add_observability_args(p)
     return p.parse_args(argv)
 
 
@@ -167,8 +169,10 @@ async def serve(config: WorkerConfig, address: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup_logging("worker", args.log_level)
     try:
+        observability = observability_from_args(args)
+        setup_logging("worker", args.log_level, observability.log_format)
+        init_tracing("worker", observability)
         config = build_config(args)
         set_internal_security(security_from_args(args))
         if args.tp_rank > 0:  # a rank started by hand: no gRPC service, follow rank 0

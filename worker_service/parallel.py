@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from services.config import ParallelConfig, SecurityConfig, WorkerConfig
+from services.log import current_log_format
 from worker_service import rendezvous, tp_messages
 from worker_service.models.config import ModelArchConfig
 from worker_service.tp_messages import HEADER_LEN, Command
@@ -368,6 +369,7 @@ def spawn_rank(config: WorkerConfig, rank: int, store_path: str) -> subprocess.P
     argv = [sys.executable, "-m", "worker_service.tp_worker", "--rank", str(rank)]
     argv += ["--rendezvous-file", store_path, "--parent-pid", str(os.getpid())]
     argv += ["--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
+    argv += ["--log-format", current_log_format()]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(tp_messages.encode_config(config))

@@ -20,6 +20,7 @@ from services.convert import from_proto, to_proto
 from services.grpc_utils import GrpcServer, Registration
 from services.pb import worker_pb2, worker_pb2_grpc
 from services.step_types import SchedulerOutput
+from services.tracing import record_timings, step_attributes, step_span
 from services.worker_api import WorkerProtocol
 
 T = TypeVar("T")
@@ -82,6 +83,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _execute_proto(self, request: worker_pb2.SchedulerOutput) -> worker_pb2.ModelRunnerOutput:
         """One step of the stream, on the model thread; a failed step is a reply with `error`."""
+        if request.trace_contexts:  # a step the scheduler sampled for tracing
+            with step_span(request.trace_contexts, step_attributes(request)) as span:
+                reply = self._execute_step(request)
+                record_timings(span, reply)
+                return reply
+        return self._execute_step(request)
+
+    def _execute_step(self, request: worker_pb2.SchedulerOutput) -> worker_pb2.ModelRunnerOutput:
         try:
             output = self.worker.execute_model(from_proto(request, SchedulerOutput))
         except Exception as exc:

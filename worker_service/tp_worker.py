@@ -17,6 +17,7 @@ import torch
 
 from services.config import WorkerConfig
 from services.log import setup_logging
+from services.tracing import LOG_FORMATS
 from worker_service import parallel
 from worker_service.models.context import forward_context
 from worker_service.tp_messages import decode_config
@@ -61,9 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rendezvous-file", required=True, help="rank 0's private FileStore")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS)
     args = p.parse_args(argv)
     config = decode_config(sys.stdin.buffer.read())
-    setup_logging(f"worker-rank{args.rank}", args.log_level)
+    setup_logging(f"worker-rank{args.rank}", args.log_level, args.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us (Ctrl-C reaches the group)
     if args.parent_pid:
         parallel.exit_with_parent(args.parent_pid)

@@ -100,6 +100,7 @@ CASES: list[Any] = [
         mm_inputs=[MM],
         pooling_params=PoolingParams(dimensions=32, normalize=False),
         lora_request=LORA,
+        trace_headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"},
     ),
     EngineCoreOutput(
         request_id="r1",
@@ -137,6 +138,7 @@ CASES: list[Any] = [
         finished_req_ids=["c"],
         preempted_req_ids=["d"],
         scheduled_spec_decode_tokens=[DraftTokens("b", [7, 8])],
+        trace_contexts=["00-" + "1" * 32 + "-" + "2" * 16 + "-01"],
     ),
     ModelRunnerOutput(
         step_id=9,
