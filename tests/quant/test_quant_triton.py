@@ -1,0 +1,133 @@
+"""The Triton dequant GEMM (worker_service/models/quant_triton.py) against dequantize-then-
+matmul in float32, on CPU through the Triton interpreter. Triton picks compiling or
+interpreting when the kernel is decorated, so the cases run in a child pytest started with
+TRITON_INTERPRET=1 (tests/worker/interpret.py), as the attention and MoE kernel tests do.
+
+Blocks are random bytes with sane float16 scales, so every code value and every 6-bit
+scale occurs. References: quant.dequantize_blocks (Q4_0, Q4_1, Q8_0) and
+gguf.quants.dequantize (Q4_K, Q6_K). Tolerances, on max |got - ref| / max |ref|: float32
+1e-5 (summation order only); float16 2e-3 and bfloat16 1.6e-2: the output is rounded to
+x's dtype (half an ulp: 2^-11, 2^-8 of the element), the sums stay float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.interpret import run_under_interpreter
+from worker_service.models.quant import dequantize_blocks
+
+CHILD_FLAG = "TESSERA_QUANT_TRITON_CHILD"
+IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+HALF_OFFSETS = {Q4_0: [0], Q4_1: [0, 2], Q8_0: [0], Q4_K: [0, 2], Q6_K: [208]}
+# (format, M, N, K): M tails 1 and 3 (the no-dot path), 17 and 33 (tl.dot, a partial tile);
+# odd N spilling over a 32- or 64-column tile; several K (1, 3, 8 blocks; Q6_K 2 super-blocks)
+CASES = [
+    (Q4_0, 1, 37, 96),
+    (Q4_0, 3, 33, 256),
+    (Q4_0, 17, 65, 32),
+    (Q4_0, 33, 7, 96),
+    (Q4_1, 1, 65, 256),
+    (Q4_1, 3, 37, 32),
+    (Q4_1, 17, 33, 96),
+    (Q4_1, 33, 7, 64),
+    (Q8_0, 1, 33, 32),
+    (Q8_0, 3, 65, 96),
+    (Q8_0, 17, 37, 256),
+    (Q8_0, 33, 7, 64),
+    (Q4_K, 1, 37, 256),
+    (Q4_K, 3, 7, 512),
+    (Q4_K, 17, 33, 256),
+    (Q4_K, 33, 65, 256),
+    (Q6_K, 1, 33, 512),
+    (Q6_K, 3, 37, 256),
+    (Q6_K, 17, 7, 256),
+    (Q6_K, 33, 65, 256),
+]
+DTYPES = [F32, F16, BF16]
+NUM_CHILD_TESTS = len(CASES) * len(DTYPES) + 4
+
+
+def random_blocks(n: int, k: int, ggml_type: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, k / QK * bytes] uint8: random bytes, the float16 fields set to N(0, 0.02)."""
+    from worker_service.models.quant_triton import LAYOUT
+
+    qk, nbytes, _ = LAYOUT[ggml_type]
+    raw = torch.randint(0, 256, (n, k // qk, nbytes), generator=gen, dtype=torch.uint8)
+    for offset in HALF_OFFSETS[ggml_type]:
+        half = (torch.randn(n, k // qk, 1, generator=gen) * 0.02).half()
+        raw[..., offset : offset + 2] = half.view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def reference_weight(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """[n, k] float32, as ggml dequantizes."""
+    if ggml_type in (Q4_0, Q4_1, Q8_0):
+        return dequantize_blocks(blocks, ggml_type)
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.asarray(values)).float()
+
+
+def check(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype and got.shape == ref.shape
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+if IN_CHILD:
+    from worker_service.models import quant_triton
+    from worker_service.models.quant import BlockWeight
+
+    def test_running_interpreted() -> None:
+        assert quant_triton.interpreted()
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("ggml_type,m,n,k", CASES)
+    def test_dequant_gemm_matches_dequantize_then_matmul(
+        ggml_type: int, m: int, n: int, k: int, dtype: torch.dtype
+    ) -> None:
+        gen = torch.Generator().manual_seed(ggml_type * 1000 + m * 31 + n)
+        blocks = random_blocks(n, k, ggml_type, gen)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype) if m % 2 else None
+        got = quant_triton.dequant_gemm(x, blocks, ggml_type, bias)
+        ref = x.float() @ reference_weight(blocks, ggml_type).T
+        check(got, ref if bias is None else ref + bias.float(), dtype)
+
+    def test_block_linear_keeps_leading_dims_and_matches_block_weight() -> None:
+        gen = torch.Generator().manual_seed(7)
+        weight = BlockWeight.quantize_q8_0(torch.randn(21, 64, generator=gen), None)
+        x = torch.randn(2, 3, 64, generator=gen)
+        got = quant_triton.block_linear(x, weight.blocks, Q8_0, None)
+        assert got.shape == (2, 3, 21)
+        check(got, x @ weight.dequantize(F32).T, F32)
+
+    def test_empty_rows_and_bad_blocks() -> None:
+        blocks = random_blocks(5, 64, Q4_0, torch.Generator().manual_seed(1))
+        assert quant_triton.dequant_gemm(torch.zeros(0, 64), blocks, Q4_0).shape == (0, 5)
+        with pytest.raises(ValueError, match="do not hold 96 inputs"):
+            quant_triton.dequant_gemm(torch.zeros(1, 96), blocks, Q4_0)
+        with pytest.raises(ValueError, match="no Triton dequant GEMM"):
+            quant_triton.dequant_gemm(torch.zeros(1, 64), blocks, 6)
+
+    def test_tile_sizes_pick_the_dot_path_from_16_rows() -> None:
+        assert quant_triton.tile_sizes(1) == (1, 32)
+        assert quant_triton.tile_sizes(3) == (4, 32)
+        assert quant_triton.tile_sizes(16)[0] == 16
+        assert quant_triton.tile_sizes(33)[0] == 64
+
+else:
+
+    def test_kernel_under_interpreter() -> None:
+        """Runs this file's kernel cases in a child pytest with TRITON_INTERPRET=1."""
+        pytest.importorskip("triton")
+        run_under_interpreter(__file__, CHILD_FLAG, NUM_CHILD_TESTS)
