@@ -13,6 +13,7 @@ x's dtype (half an ulp: 2^-11, 2^-8 of the element), the sums stay float32.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ CASES = [
     (Q6_K, 33, 65, 256),
 ]
 DTYPES = [F32, F16, BF16]
-NUM_CHILD_TESTS = len(CASES) * len(DTYPES) + 4
+NUM_CHILD_TESTS = len(CASES) * len(DTYPES) + 5
 
 
 def random_blocks(n: int, k: int, ggml_type: int, gen: torch.Generator) -> torch.Tensor:
@@ -125,7 +126,34 @@ if IN_CHILD:
         assert quant_triton.tile_sizes(16)[0] == 16
         assert quant_triton.tile_sizes(33)[0] == 64
 
+    def test_gpu_check_cases_run_on_cpu() -> None:
+        """benchmarks/gpu_check_quant.py's CPU-side code: a case through BlockWeight (the
+        CPU path here) and one through the kernel; timings with a one-call timer."""
+        from benchmarks import gpu_check_quant as check
+
+        assert check.check_quant_case(Q4_1, 3, 37, 64, F32, "cpu")["ok"]
+        assert check.check_quant_case(Q6_K, 17, 7, 256, BF16, "cpu")["ok"]
+
+        def one_call(fn: Callable[[], object]) -> float:
+            fn()
+            return 2.0
+
+        rows = check.quant_timings(one_call, [(9, 256)], "cpu")
+        assert [r["format"] for r in rows] == ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"] * 2
+        assert rows[0] == {
+            "shape": "M1 N9 K256", "format": "Q4_0", "dequant_gemm_ms": 2.0,
+            "torch_bf16_ms": 2.0, "bf16_over_dequant": 1.0,
+        }  # fmt: skip
+
 else:
+
+    def test_gpu_check_refuses_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+        """gpu_check (which holds the dequant section) imports, and exits 2 on CPU."""
+        pytest.importorskip("triton")
+        from benchmarks import gpu_check
+
+        monkeypatch.setattr("sys.argv", ["gpu_check", "--only-dequant"])
+        assert gpu_check.main() == 2
 
     def test_kernel_under_interpreter() -> None:
         """Runs this file's kernel cases in a child pytest with TRITON_INTERPRET=1."""
