@@ -29,10 +29,11 @@ TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 HALF_OFFSETS = {Q4_0: [0], Q4_1: [0, 2], Q8_0: [0], Q4_K: [0, 2], Q6_K: [208]}
 # (format, M, N, K): M tails 1 and 3 (the no-dot path), 17 and 33 (tl.dot, a partial tile);
-# odd N spilling over a 32- or 64-column tile; several K (1, 3, 8 blocks; Q6_K 2 super-blocks)
+# odd N spilling over a 32- or 64-column tile; several K: under one 128-input chunk of the
+# main loop, whole chunks, chunks and a remainder (288, 160); K-quants 1 and 2 super-blocks
 CASES = [
     (Q4_0, 1, 37, 96),
-    (Q4_0, 3, 33, 256),
+    (Q4_0, 3, 33, 288),
     (Q4_0, 17, 65, 32),
     (Q4_0, 33, 7, 96),
     (Q4_1, 1, 65, 256),
@@ -41,7 +42,7 @@ CASES = [
     (Q4_1, 33, 7, 64),
     (Q8_0, 1, 33, 32),
     (Q8_0, 3, 65, 96),
-    (Q8_0, 17, 37, 256),
+    (Q8_0, 17, 37, 160),
     (Q8_0, 33, 7, 64),
     (Q4_K, 1, 37, 256),
     (Q4_K, 3, 7, 512),
@@ -154,6 +155,38 @@ else:
 
         monkeypatch.setattr("sys.argv", ["gpu_check", "--only-dequant"])
         assert gpu_check.main() == 2
+
+    @pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0, Q4_K, Q6_K])
+    def test_kernel_compiles_for_hopper(ggml_type: int) -> None:
+        """The interpreter runs what compiled Triton may refuse: compile every format for
+        sm_90 (to a cubin, no GPU needed) on the launcher's own constexprs: the decode
+        (no-dot) and tl.dot variants in bf16, and (Q4_1) the float32 ieee dot."""
+        pytest.importorskip("triton")
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from worker_service.models import quant_triton
+
+        variants = [(BF16, 1), (BF16, 64)] + ([(F32, 32)] if ggml_type == Q4_1 else [])
+        for dtype, m in variants:
+            ptr = {BF16: "*bf16", F32: "*fp32"}[dtype]
+            signature = {
+                "x_ptr": ptr, "blocks_ptr": "*u8", "halves_ptr": "*fp16", "bias_ptr": ptr,
+                "out_ptr": ptr, **dict.fromkeys(("M", "N", "K", "row_bytes"), "i32"),
+                "stride_xm": "i32", "stride_om": "i32",
+            }  # fmt: skip
+            consts = {"HAS_BIAS": True, **quant_triton.kernel_constants(dtype, ggml_type, m)}
+            kernel = quant_triton._dequant_gemm_kernel
+            names = kernel.arg_names  # the signature in the kernel's parameter order
+            types = {**signature, **dict.fromkeys(consts, "constexpr")}
+            source = ASTSource(
+                fn=kernel,
+                signature={name: types[name] for name in names},
+                constexprs={(names.index(k),): v for k, v in consts.items()},
+            )
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm["cubin"], (dtype, m)
 
     def test_kernel_under_interpreter() -> None:
         """Runs this file's kernel cases in a child pytest with TRITON_INTERPRET=1."""

@@ -17,9 +17,12 @@ and min, w = d sc q - dmin mn. Q6_K (256) {ql[128]; qh[64]; i8 scales[16]; half 
 groups of 16, w = d sc (q - 32). Every block's size is even, so the halves are read through
 a float16 view of the same bytes.
 
-Rows with fewer than 16 activations (decode) take a broadcast-multiply-and-sum path
-(tl.dot needs 16 rows); more use tl.dot. Tested on CPU under TRITON_INTERPRET=1
-(tests/quant/test_quant_triton.py); timed on CUDA by benchmarks/gpu_check.py.
+The main loop decodes K_CHUNK inputs (several groups, unrolled) an iteration so that
+their loads are in flight together; a second loop takes the last K % K_CHUNK. Rows with
+fewer than 16 activations (decode) take a broadcast-multiply-and-sum path (tl.dot needs
+16 rows); more use tl.dot. Tested on CPU under TRITON_INTERPRET=1 and compiled for sm_90
+without a GPU (tests/quant/test_quant_triton.py); checked and timed on CUDA by
+benchmarks/gpu_check.py (section 3, benchmarks/gpu_check_quant.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ LAYOUT = {
     Q6_K: (256, 210, 16),
 }
 DOT_MIN_ROWS = 16  # tl.dot's smallest M
+K_CHUNK = 128  # inputs a main-loop iteration decodes (4 groups; Q6_K 8)
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -103,6 +107,27 @@ def _decode_group(blocks_ptr, halves_ptr, row_base, k0, offs_g, FMT: tl.constexp
 
 
 @triton.jit
+def _accumulate_group(acc, x_rows, m_ok, blocks_ptr, halves_ptr, row_base, k0,
+                      FMT: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr,
+                      GROUP: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] + x[:, group] @ w[group, :] for the group at input k0."""
+    offs_g = tl.arange(0, GROUP)
+    q, scale, offset = _decode_group(
+        blocks_ptr, halves_ptr, row_base, k0, offs_g, FMT, QK, BYTES, GROUP
+    )  # q [GROUP, BLOCK_N]; scale, offset [BLOCK_N]
+    x = tl.load(x_rows + k0 + offs_g[None, :], mask=m_ok[:, None], other=0.0)
+    if USE_DOT:  # the codes are small integers: exact in any dot dtype
+        part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    else:
+        part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
+    acc += part * scale[None, :]
+    if FMT == 3 or FMT == 12:  # formats with an offset: + offset * sum(x)
+        acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * offset[None, :]
+    return acc
+
+
+@triton.jit
 def _dequant_gemm_kernel(
     x_ptr,  # [M, K] fp16 / bf16 / fp32
     blocks_ptr,  # [N, row_bytes] uint8
@@ -119,6 +144,7 @@ def _dequant_gemm_kernel(
     QK: tl.constexpr,  # weights a block
     BYTES: tl.constexpr,  # bytes a block
     GROUP: tl.constexpr,  # weights a scale group
+    K_CHUNK: tl.constexpr,  # inputs an iteration of the main loop (whole groups)
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,  # tl.dot (BLOCK_M >= 16) or broadcast-multiply-and-sum
     DOT_DTYPE: tl.constexpr,  # operand dtype of the dot: x's, or float32
@@ -129,24 +155,20 @@ def _dequant_gemm_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, GROUP)
     m_ok, n_ok = offs_m < M, offs_n < N
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # tail columns re-read row 0, unstored
     row_base = rows * row_bytes
     x_rows = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, GROUP):
-        q, scale, offset = _decode_group(
-            blocks_ptr, halves_ptr, row_base, k0, offs_g, FMT, QK, BYTES, GROUP
-        )  # q [GROUP, BLOCK_N]; scale, offset [BLOCK_N]
-        x = tl.load(x_rows + k0 + offs_g[None, :], mask=m_ok[:, None], other=0.0)
-        if USE_DOT:  # the codes are small integers: exact in any dot dtype
-            part = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        else:
-            part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
-        acc += part * scale[None, :]
-        if FMT == 3 or FMT == 12:  # formats with an offset: + offset * sum(x)
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * offset[None, :]
+    k_main = K - K % K_CHUNK
+    for k0 in range(0, k_main, K_CHUNK):  # K_CHUNK // GROUP groups at once: loads in flight
+        for u in tl.static_range(K_CHUNK // GROUP):
+            acc = _accumulate_group(acc, x_rows, m_ok, blocks_ptr, halves_ptr, row_base,
+                                    k0 + u * GROUP, FMT, QK, BYTES, GROUP, USE_DOT, DOT_DTYPE,
+                                    DOT_PRECISION)  # fmt: skip
+    for k0 in range(k_main, K, GROUP):  # the last K % K_CHUNK inputs
+        acc = _accumulate_group(acc, x_rows, m_ok, blocks_ptr, halves_ptr, row_base, k0, FMT,
+                                QK, BYTES, GROUP, USE_DOT, DOT_DTYPE, DOT_PRECISION)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -165,6 +187,21 @@ def tile_sizes(m: int) -> tuple[int, int]:
     return (16 if m <= 16 else 32 if m <= 32 else 64), 64
 
 
+def kernel_constants(dtype: torch.dtype, ggml_type: int, m: int) -> dict[str, object]:
+    """The constexpr arguments of the kernel for m rows of `dtype` activations."""
+    qk, nbytes, group = LAYOUT[ggml_type]
+    block_m, block_n = tile_sizes(m)
+    # The interpreter's bf16 dot is wrong (numpy has no bf16): upcast there; exact anyway.
+    upcast = dtype == torch.float32 or (interpreted() and dtype == torch.bfloat16)
+    dot_dtype = tl.float32 if upcast else _TL[dtype]
+    return {
+        "FMT": ggml_type, "QK": qk, "BYTES": nbytes, "GROUP": group, "K_CHUNK": K_CHUNK,
+        "USE_DOT": block_m >= DOT_MIN_ROWS, "DOT_DTYPE": dot_dtype,
+        "DOT_PRECISION": "ieee" if upcast else "tf32",
+        "BLOCK_M": block_m, "BLOCK_N": block_n,
+    }  # fmt: skip
+
+
 def dequant_gemm(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -172,7 +209,7 @@ def dequant_gemm(
     x @ dequantize(blocks).T (+ bias), summed in float32."""
     if ggml_type not in LAYOUT:
         raise ValueError(f"ggml type {ggml_type} has no Triton dequant GEMM")
-    qk, nbytes, group = LAYOUT[ggml_type]
+    qk, nbytes, _ = LAYOUT[ggml_type]
     m, k = x.shape
     n = blocks.shape[0]
     if k % qk or blocks.shape[1] != k // qk * nbytes or blocks.dtype != torch.uint8:
@@ -181,19 +218,12 @@ def dequant_gemm(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n = tile_sizes(m)
-    use_dot = block_m >= DOT_MIN_ROWS
-    # The interpreter's bf16 dot is wrong (numpy has no bf16): upcast there; exact anyway.
-    upcast = x.dtype == torch.float32 or (interpreted() and x.dtype == torch.bfloat16)
-    dot_dtype = tl.float32 if upcast else _TL[x.dtype]
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    consts = kernel_constants(x.dtype, ggml_type, m)
+    grid = (triton.cdiv(m, consts["BLOCK_M"]), triton.cdiv(n, consts["BLOCK_N"]))
     _dequant_gemm_kernel[grid](
         x, blocks, blocks.view(torch.float16), bias if bias is not None else out, out,
-        m, n, k, blocks.shape[1], x.stride(0), out.stride(0),
-        FMT=ggml_type, QK=qk, BYTES=nbytes, GROUP=group, HAS_BIAS=bias is not None,
-        USE_DOT=use_dot, DOT_DTYPE=dot_dtype,
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        m, n, k, blocks.shape[1], x.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        **consts,
     )  # fmt: skip
     return out
 
