@@ -38,12 +38,12 @@ def fits(ggml_type: int, k: int) -> bool:
 
 
 def block_matmul(
-    blocks: torch.Tensor, ggml_type: int, x: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x @ dequantize(blocks).T (+ bias) the way a served model computes it."""
+    blocks: torch.Tensor, ggml_type: int, k: int
+) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """(x, bias) -> x @ dequantize(blocks).T (+ bias), the way a served model computes it."""
     if ggml_type in BLOCK_BYTES:
-        return BlockWeight(blocks, ggml_type, x.shape[-1], None).linear(x, bias)
-    return quant_triton.dequant_gemm(x, blocks, ggml_type, bias)
+        return BlockWeight(blocks, ggml_type, k, None).linear
+    return lambda x, bias: quant_triton.dequant_gemm(x, blocks, ggml_type, bias)
 
 
 def check_quant_case(
@@ -54,7 +54,7 @@ def check_quant_case(
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     ref = x.float() @ reference_weight(blocks, ggml_type).T + bias.float()
-    got = block_matmul(blocks.to(device), ggml_type, x.to(device), bias.to(device)).cpu()
+    got = block_matmul(blocks.to(device), ggml_type, k)(x.to(device), bias.to(device)).cpu()
     err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
     label = f"{FORMAT_NAMES[ggml_type]}/M{m}/N{n}/K{k}/{dtype}"
     ok = got.dtype == dtype and err <= TOLERANCE[dtype]
@@ -72,8 +72,9 @@ def timing_case(
     """(the dequant GEMM, torch bf16 F.linear over the dense weight) on bf16 activations."""
     blocks = random_blocks(n, k, ggml_type, torch.Generator().manual_seed(n + k))
     dense = reference_weight(blocks, ggml_type).bfloat16().to(device)  # [N, K]
-    blocks, x = blocks.to(device), torch.randn(m, k, device=device).bfloat16()
-    return lambda: block_matmul(blocks, ggml_type, x, None), lambda: F.linear(x, dense)
+    matmul = block_matmul(blocks.to(device), ggml_type, k)
+    x = torch.randn(m, k, device=device).bfloat16()
+    return lambda: matmul(x, None), lambda: F.linear(x, dense)
 
 
 def quant_timings(
