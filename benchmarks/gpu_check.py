@@ -1,11 +1,15 @@
-"""Prepared GPU check for the Triton attention kernels (run only on a CUDA machine).
+"""Prepared GPU check for the Triton kernels (run only on a CUDA machine).
 
 1. Correctness: every case of tests/worker/test_attention_triton.py plus larger ones,
    Triton vs the reference backend on CUDA tensors.
 2. Timing (median of CUDA-event timings): decode and prefill at realistic shapes, against
    torch SDPA on the same data unpaged as a yardstick.
+3. The dequant GEMM over GGUF blocks (benchmarks/gpu_check_quant.py, report key
+   "dequant_gemm"): correctness per format, timings against torch bf16 at M = 1 and 32,
+   and the default model's Q4_1 GGUF served on CUDA.
 
-Usage (from the repository root): `.venv/bin/python -m benchmarks.gpu_check [--out FILE]`;
+Usage (from the repository root): `.venv/bin/python -m benchmarks.gpu_check [--out FILE]`
+(`--only-dequant`: section 3 alone);
 writes a JSON report to FILE (default: $OUT/gpu_check.json when OUT is set) and prints it.
 Exit status 1 when a correctness case fails, 2 without a CUDA device. Needs torch with
 CUDA, triton, numpy and pytest (the cases are shared with the tests). Untimed so far: expect
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_check_quant import quant_report
 from tests.worker.test_attention_reference import build_case
 from tests.worker.test_attention_triton import ATTENTION_CASES, TRITON_BATCHES
 from worker_service.attention.base import AttentionMetadata
@@ -184,28 +189,35 @@ def timings() -> list[dict[str, Any]]:
     return rows
 
 
+def attention_report(timing: bool) -> dict[str, Any]:
+    checks = correctness()
+    return {
+        "correctness_failed": [c for c in checks if not c["ok"]],
+        "correctness_passed": sum(c["ok"] for c in checks),
+        "correctness_worst_err": max(checks, key=lambda c: c["max_abs_err"]),
+        "timings": timings() if timing else [],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="JSON report path")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--only-dequant", action="store_true", help="only section 3")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to do", file=sys.stderr)
         return 2
-    checks = correctness()
-    report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "correctness_failed": [c for c in checks if not c["ok"]],
-        "correctness_passed": sum(c["ok"] for c in checks),
-        "correctness_worst_err": max(checks, key=lambda c: c["max_abs_err"]),
-        "timings": [] if args.skip_timing else timings(),
-    }
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    if not args.only_dequant:
+        report |= attention_report(timing=not args.skip_timing)
+    report["dequant_gemm"] = quant_report(median_ms, timing=not args.skip_timing)
     text = json.dumps(report, indent=1, default=str)
     print(text)
     out = args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if "OUT" in os.environ else None)
     if out is not None:
         out.write_text(text)
-    return 1 if report["correctness_failed"] else 0
+    return 1 if report.get("correctness_failed") or not report["dequant_gemm"]["ok"] else 0
 
 
 if __name__ == "__main__":

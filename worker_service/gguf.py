@@ -58,6 +58,7 @@ def load_gguf_weights(model: LlamaForCausalLM, path: Path, dtype: torch.dtype) -
     them). A Linear given a float tensor gets its `dtype` weight then."""
     reader = open_reader(path)
     ops = cpu_ops.load()
+    device = model.embed_tokens.weight.device  # blocks live there (CUDA: the Triton GEMM)
     permute = model.config.architecture == "LlamaForCausalLM"
     loaded: set[str] = set()
     fused: dict[str, dict[int, BlockWeight]] = {}  # fused Linear -> its parts' blocks
@@ -73,7 +74,7 @@ def load_gguf_weights(model: LlamaForCausalLM, path: Path, dtype: torch.dtype) -
             _allocate(model, name, dtype)
             loaded |= _load_tensor(model, model.config, name, dense.float(), model.shard)
             continue
-        blocks = BlockWeight(data, int(tensor.tensor_type), int(tensor.shape[0]), ops)
+        blocks = BlockWeight(data.to(device), int(tensor.tensor_type), int(tensor.shape[0]), ops)
         if name == "embed_tokens.weight":
             loaded |= _load_tensor(
                 model, model.config, name, blocks.dequantize(torch.float32), model.shard

@@ -68,6 +68,10 @@ class BlockWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[n, in] -> [n, out] in x's dtype."""
+        if self.blocks.is_cuda:  # the Triton dequant GEMM (models/quant_triton.py)
+            from worker_service.models.quant_triton import block_linear
+
+            return block_linear(x, self.blocks, self.ggml_type, bias)
         if self.ops is not None and x.dim() == 2 and x.shape[0] > 0 and x.dtype in NATIVE:
             int8_x = x.dtype == torch.bfloat16  # the fast path; float32 stays exact
             return self.ops.gemm_gguf(x, self.blocks, self.ggml_type, bias, int8_x)

@@ -1,0 +1,144 @@
+"""The dequant-GEMM part of benchmarks/gpu_check.py (run only on a CUDA machine).
+
+1. Correctness: every case of tests/quant/test_quant_triton.py plus model-sized ones,
+   the Triton dequant GEMM on CUDA tensors against dequantize-then-matmul in float32
+   (through BlockWeight.linear for the formats quant.py knows, the kernel for the rest).
+2. Timing (the median of CUDA-event timings, `median_ms` from gpu_check): M = 1 and 32 at
+   the default model's (SmolLM2-135M) linear shapes, each format against torch's bf16
+   F.linear over the dense weight.
+3. Model: the default model's Q4_1 GGUF served on CUDA in float32 keeps every linear's
+   blocks on CUDA; its greedy against HF's over the dequantized file, 8 prompts x 32 tokens.
+
+Each function takes the device, so the CPU-side code runs in the interpreter test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tests.quant.test_quant_triton import CASES, TOLERANCE, random_blocks, reference_weight
+from worker_service.models import quant_triton
+from worker_service.models.quant import BLOCK_BYTES, BlockWeight
+
+FORMAT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (N, K) of the default model's linears: q (576 x 576), gate_up (3072 x 576), down (576 x 1536)
+MODEL_SHAPES = [(576, 576), (3072, 576), (576, 1536), (1536, 576)]
+LARGE_CASES = [(t, m, n, k) for t in FORMAT_NAMES for m in (1, 16, 100) for n, k in MODEL_SHAPES]
+TIMING_ROWS = (1, 32)
+
+
+def fits(ggml_type: int, k: int) -> bool:
+    """Whether k inputs are whole blocks of the format (K-quants: 256)."""
+    return k % quant_triton.LAYOUT[ggml_type][0] == 0
+
+
+def block_matmul(
+    blocks: torch.Tensor, ggml_type: int, k: int
+) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """(x, bias) -> x @ dequantize(blocks).T (+ bias), the way a served model computes it."""
+    if ggml_type in BLOCK_BYTES:
+        return BlockWeight(blocks, ggml_type, k, None).linear
+    return lambda x, bias: quant_triton.dequant_gemm(x, blocks, ggml_type, bias)
+
+
+def check_quant_case(
+    ggml_type: int, m: int, n: int, k: int, dtype: torch.dtype, device: str = "cuda"
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(ggml_type * 1000 + m * 31 + n)
+    blocks = random_blocks(n, k, ggml_type, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    ref = x.float() @ reference_weight(blocks, ggml_type).T + bias.float()
+    got = block_matmul(blocks.to(device), ggml_type, k)(x.to(device), bias.to(device)).cpu()
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    label = f"{FORMAT_NAMES[ggml_type]}/M{m}/N{n}/K{k}/{dtype}"
+    ok = got.dtype == dtype and err <= TOLERANCE[dtype]
+    return {"case": label, "max_rel_err": err, "ok": ok}
+
+
+def quant_correctness(device: str = "cuda") -> list[dict[str, Any]]:
+    cases = [c for c in CASES + LARGE_CASES if fits(c[0], c[3])]
+    return [check_quant_case(*c, dtype, device) for c in cases for dtype in DTYPES]
+
+
+def timing_case(
+    ggml_type: int, m: int, n: int, k: int, device: str = "cuda"
+) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """(the dequant GEMM, torch bf16 F.linear over the dense weight) on bf16 activations."""
+    blocks = random_blocks(n, k, ggml_type, torch.Generator().manual_seed(n + k))
+    dense = reference_weight(blocks, ggml_type).bfloat16().to(device)  # [N, K]
+    matmul = block_matmul(blocks.to(device), ggml_type, k)
+    x = torch.randn(m, k, device=device).bfloat16()
+    return lambda: matmul(x, None), lambda: F.linear(x, dense)
+
+
+def quant_timings(
+    median_ms: Callable[[Callable[[], object]], float],
+    shapes: list[tuple[int, int]] = MODEL_SHAPES,
+    device: str = "cuda",
+) -> list[dict[str, Any]]:
+    rows = []
+    for n, k in shapes:
+        for m in TIMING_ROWS:
+            for ggml_type, name in FORMAT_NAMES.items():
+                if not fits(ggml_type, k):
+                    continue
+                quant, bf16 = timing_case(ggml_type, m, n, k, device)
+                quant_ms, bf16_ms = median_ms(quant), median_ms(bf16)
+                rows.append(
+                    {
+                        "shape": f"M{m} N{n} K{k}",
+                        "format": name,
+                        "dequant_gemm_ms": round(quant_ms, 4),
+                        "torch_bf16_ms": round(bf16_ms, 4),
+                        "bf16_over_dequant": round(bf16_ms / quant_ms, 3),
+                    }
+                )
+    return rows
+
+
+def model_check() -> dict[str, Any]:
+    """The default model's Q4_1 GGUF on the CUDA worker: blocks on CUDA, greedy vs HF."""
+    from benchmarks.quality import PROMPTS
+    from services.default_model import gguf_path
+    from tessera import LLM
+    from tests.quant.test_gguf import AGREEMENT, hf_dequantized_greedy, tessera_greedy
+    from worker_service.models.layers import Linear
+
+    llm = LLM(quantization="gguf", dtype="float32", kv_cache_memory="256MiB", max_num_seqs=8)
+    try:
+        linears = [m for m in llm.worker.runner.model.modules() if isinstance(m, Linear)]
+        on_cuda = all(m.quant is not None and m.quant.blocks.is_cuda for m in linears)
+        prompts = [llm.tokenizer.encode(p, False) for p in PROMPTS]
+        ours = tessera_greedy(llm, prompts)
+    finally:
+        llm.shutdown()
+    theirs = hf_dequantized_greedy(gguf_path(), prompts)
+    agree = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    ok = on_cuda and agree >= AGREEMENT["Q4_1"]
+    return {"blocks_on_cuda": on_cuda, "greedy_agreement": f"{agree}/{len(prompts)}", "ok": ok}
+
+
+def quant_report(
+    median_ms: Callable[[Callable[[], object]], float], timing: bool
+) -> dict[str, Any]:
+    """The dequant section of the gpu_check report; "ok" false when a check failed."""
+    checks = quant_correctness()
+    try:
+        model = model_check()
+    except Exception as exc:  # a missing model package must not hide the kernel results
+        model = {"ok": False, "error": repr(exc)}
+    failed = [c for c in checks if not c["ok"]]
+    return {
+        "ok": not failed and model["ok"],
+        "correctness_failed": failed,
+        "correctness_passed": len(checks) - len(failed),
+        "correctness_worst_err": max(checks, key=lambda c: c["max_rel_err"]),
+        "model": model,
+        "timings": quant_timings(median_ms) if timing else [],
+    }
