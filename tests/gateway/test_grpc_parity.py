@@ -182,7 +182,8 @@ def test_named_tool_choice_forces_the_schema(
     assert (call.name, call.arguments, choice.finish_reason) == (
         "get_weather", '{"city": "Paris"}', "tool_calls",
     )  # fmt: skip
-    assert json.loads(engine.requests[0].sampling_params.structured_output.json or "") == SCHEMA
+    forced = engine.requests[0].sampling_params.structured_output
+    assert forced is not None and json.loads(forced.json or "") == SCHEMA
     engine.requests.clear()
     none = stub.Chat(
         pb.ChatRequest(messages=HELLO, tools=[WEATHER], tool_choice=pb.ToolChoice(mode="none"))
