@@ -60,18 +60,12 @@ def test_sampling_fields_reach_the_engine(
     reply = stub.Chat(pb.ChatRequest(messages=HELLO, params=params))
     assert [c.index for c in reply.choices] == [0, 1]
     assert len(engine.requests) == 2
+    assert sorted(r.sampling_params.seed or 0 for r in engine.requests) == [7, 8]  # seed + j
     for request in engine.requests:
         sp = request.sampling_params
-        assert (sp.seed, tuple(sp.stop_token_ids), sp.logit_bias) == (
-            7,
-            (5, 6),
-            {11: -100, 12: 2.5},
-        )
-        assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (
-            0.5,
-            -0.5,
-            1.2,
-        )
+        assert (tuple(sp.stop_token_ids), sp.logit_bias) == ((5, 6), {11: -100, 12: 2.5})
+        penalties = (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+        assert penalties == (0.5, -0.5, 1.2)
         assert (sp.min_tokens, sp.ignore_eos, sp.max_tokens) == (2, True, 4)
     assert reply.usage.completion_tokens == 8 and reply.finish_reason == "length"
 
