@@ -4,7 +4,9 @@ the real gateway)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -245,3 +247,19 @@ def test_completion_errors_are_invalid_argument(
             stub.Complete(pb.CompletionRequest(prompt="Once", params=params))
         assert info.value.code() == INVALID, info.value.details()
     assert engine.requests == []
+
+
+def test_every_public_field_has_a_doc_comment() -> None:
+    """Each message, oneof, field and rpc of generate.proto has a `//` line right above it."""
+    from tests.stack.harness import REPO
+
+    lines = (REPO / "protos" / "generate.proto").read_text().splitlines()
+    declaration = re.compile(
+        r"^\s*(message|oneof|rpc|service|(optional |repeated )?[\w.<>, ]+ \w+ = \d+;)"
+    )
+    undocumented = [
+        line.strip()
+        for above, line in itertools.pairwise(lines)
+        if declaration.match(line) and not above.strip().startswith("//")
+    ]
+    assert undocumented == []
