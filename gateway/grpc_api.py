@@ -1,7 +1,8 @@
 """The public gRPC text API (`tessera.v1.TextGeneration`), sharing the REST generate path.
 
-Requests go through the same option checks (gateway.protocol), chat template,
-admission and `Serving.generate` as REST; the size limits (turns, content parts, stop
+Requests become the REST request models (gateway.grpc_mapping) and go through the same
+checks, `gateway.prepare.Preparer` (options, tools, chat template, images), admission and
+`Serving.generate` as REST; answers are built by REST's builders; the size limits (turns, content parts, stop
 strings) are counted on the wire before protobuf parses a request (gateway.limits), images
 on the proto before any is converted; `ApiError`s become gRPC statuses
 (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE...). A client
