@@ -9,25 +9,21 @@ A stream that fails later ends with an error event and `[DONE]`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import responses as rs
-from gateway import tool_parsers, tools
 from gateway.chunks import ChatChunks, ChunkBuilder, CompletionChunks
-from gateway.errors import ApiError, InvalidRequest, internal_error
+from gateway.errors import ApiError, internal_error
 from gateway.http_io import ClientDisconnected, read_json, until_disconnect
-from gateway.media import prepare_chat_images
 from gateway.output import ChoiceDelta
+from gateway.prepare import Preparer
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
-from gateway.reasoning import ReasoningParser
 from gateway.serving import GenerateJob, Serving
 from gateway.tracing import span
 from services.config import GatewayConfig
@@ -41,52 +37,31 @@ class OpenAIRoutes:
     def __init__(self, serving: Serving, config: GatewayConfig) -> None:
         self.serving = serving
         self.max_body_bytes = config.max_body_bytes
-        self.reasoning_parser = config.reasoning_parser  # "" or one of REASONING_PARSERS
-        self.tool_parser = config.tool_call_parser
-        if self.tool_parser == "auto":
-            self.tool_parser = tool_parsers.detect(serving.tokenizer.hf)
+        self.prepare = Preparer(serving, config)
 
     async def chat(self, request: Request) -> Response:
         with span("parse"):
             body = await read_json(request, self.max_body_bytes)
             req = parse(ChatCompletionRequest, body, self.serving.limits)
-        options = tools.chat_options(req)
-        plan = tools.plan_for(req, self.tool_parser)
-        if plan is not None and self.tool_parser == "mistral":  # [TOOL_CALLS] is special
-            options = dataclasses.replace(options, skip_special_tokens=False)
-        card = await self.serving.check_model(req.model)
-        self.serving.check_runner(card, "generate")
-        job = GenerateJob(rs.new_id("chatcmpl"), [], options, lora_request=card.lora_request)
-        with span("tokenize"):
-            if req.has_images:
-                job.images = await prepare_chat_images(
-                    self.serving.images,
-                    card.name,
-                    req.messages,
-                    self._chat_turns(req),
-                    self.serving.tokenizer,
-                    card.host_id,
-                    req.chat_template_kwargs,
-                )
-            job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
+        prepared = await self.prepare.chat(req)
+        job, model, plan, thinking = prepared.job, prepared.model, prepared.plan, prepared.reasoning
         collector = rs.Collector(job)
         try:
             first, stream = await self._start(request, job)
         except BaseException:
             job.release()  # the stream never ran: free the images here
             raise
-        with_logprobs = options.logprobs is not None
+        with_logprobs = job.options.logprobs is not None
         tok = self.serving.tokenizer
-        thinking = self._reasoning(req)
         if not req.stream:
             await until_disconnect(request, self._collect(collector, first, stream))
             return JSONResponse(
                 rs.chat_response(
-                    job.request_id, card.name, collector, tok, with_logprobs, plan, thinking
+                    job.request_id, model, collector, tok, with_logprobs, plan, thinking
                 )
             )
         chunks = ChatChunks(
-            job.request_id, card.name, tok, with_logprobs, options.n, plan, thinking
+            job.request_id, model, tok, with_logprobs, job.options.n, plan, thinking
         )
         events = self._events(job, collector, _prepend(first, stream), chunks, req.include_usage)
         return EventSourceResponse(events, sep="\n", ping=600)
@@ -95,56 +70,22 @@ class OpenAIRoutes:
         with span("parse"):
             body = await read_json(request, self.max_body_bytes)
             req = parse(CompletionRequest, body, self.serving.limits)
-        options = req.options()
-        card = await self.serving.check_model(req.model)
-        self.serving.check_runner(card, "generate")
-        with span("tokenize"):
-            prompts = [await self.serving.encode_prompt(p, card.vocab_size) for p in req.prompts]
-        want_prompt_lp = bool(req.echo) and options.logprobs is not None
-        job = GenerateJob(
-            rs.new_id("cmpl"),
-            prompts,
-            options,
-            prompt_logprobs=want_prompt_lp,
-            lora_request=card.lora_request,
+        prepared = await self.prepare.completion(
+            req.model, req.prompts, req.options(), bool(req.echo)
         )
+        job, model = prepared.job, prepared.model
         echo = await self._echo_texts(req, job) if req.echo else {}
         collector = rs.Collector(job)
         first, stream = await self._start(request, job)
         if not req.stream:
             await until_disconnect(request, self._collect(collector, first, stream))
             tok = self.serving.tokenizer
-            return JSONResponse(
-                rs.completion_response(job.request_id, card.name, collector, tok, echo)
-            )
-        chunks = CompletionChunks(job, card.name, self.serving.tokenizer, echo)
+            return JSONResponse(rs.completion_response(job.request_id, model, collector, tok, echo))
+        chunks = CompletionChunks(job, model, self.serving.tokenizer, echo)
         events = self._events(job, collector, _prepend(first, stream), chunks, req.include_usage)
         return EventSourceResponse(events, sep="\n", ping=600)
 
     # -- shared steps ----------------------------------------------------------------------
-
-    async def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
-        tok = self.serving.tokenizer
-        offered = req.tools if req.effective_tool_choice != "none" else None
-        native = tools.template_takes_tools(tok.hf)
-        turns = self._chat_turns(req)
-        template_tools = tools.template_tools(offered) if native and offered else None
-        try:
-            return await tok.encode_chat_async(
-                turns, tools=template_tools, template_kwargs=req.chat_template_kwargs
-            )
-        except Exception as exc:  # jinja errors from the template (e.g. unsupported roles)
-            raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") from None
-
-    def _reasoning(self, req: ChatCompletionRequest) -> ReasoningParser | None:
-        if not self.reasoning_parser:
-            return None
-        return ReasoningParser.for_request(self.reasoning_parser, req.chat_template_kwargs)
-
-    def _chat_turns(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
-        offered = req.tools if req.effective_tool_choice != "none" else None
-        native = tools.template_takes_tools(self.serving.tokenizer.hf)
-        return tools.chat_turns(req.messages, offered, native)
 
     async def _echo_texts(self, req: CompletionRequest, job: GenerateJob) -> dict[int, str]:
         texts = {}

@@ -119,12 +119,6 @@ class SamplingFields(GuidedFields):
         )  # fmt: skip
 
 
-class GrpcOptions(SamplingFields):
-    """The gRPC text API's sampling params, checked like the REST fields."""
-
-    max_tokens: int | None = Field(None, ge=1)
-
-
 # -- chat messages ------------------------------------------------------------------------
 
 

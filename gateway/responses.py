@@ -138,22 +138,26 @@ def chat_chunk_choice(
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any]:
-    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    return {"content": [_chat_entry(tok, e) for e in entries]}
+def chat_logprobs(
+    tok: Tokenizer, entries: list[TokenLogprobs], with_ids: bool = False
+) -> dict[str, Any]:
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}; each
+    entry also holds its `token_id` with `with_ids` (the gRPC API's TokenLogprob)."""
+    return {"content": [_chat_entry(tok, e, with_ids) for e in entries]}
 
 
-def _chat_entry(tok: Tokenizer, entry: TokenLogprobs) -> dict[str, Any]:
+def _chat_entry(tok: Tokenizer, entry: TokenLogprobs, with_ids: bool) -> dict[str, Any]:
     top = [
-        _token_logprob(tok, t, lp)
+        _token_logprob(tok, t, lp, with_ids)
         for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
     ]
-    return {**_token_logprob(tok, entry.token_id, entry.logprob), "top_logprobs": top}
+    return {**_token_logprob(tok, entry.token_id, entry.logprob, with_ids), "top_logprobs": top}
 
 
-def _token_logprob(tok: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _token_logprob(tok: Tokenizer, token_id: int, logprob: float, with_ids: bool) -> dict[str, Any]:
     text = tok.token_text(token_id)
-    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+    entry = {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+    return {**entry, "token_id": token_id} if with_ids else entry
 
 
 def _finite(value: float) -> float:

@@ -86,6 +86,7 @@ class GatewayServer:
                 self.serving,
                 self.config.api_key,
                 self.config.max_body_bytes,
+                self.config,
             )
             self.grpc_port = self.grpc.port
             await self.grpc.start()

@@ -255,6 +255,10 @@ class Serving:
         params = job.options.sampling_params(
             len(prompt), card.max_model_len, card.vocab_size, job.prompt_logprobs
         )
+        sample = index % job.options.n
+        if params.seed is not None and sample:  # vLLM: each of the n samples seeds seed + j
+            seed = (params.seed + sample + 2**63) % 2**64 - 2**63  # stays an int64
+            params = dataclasses.replace(params, seed=seed)
         request = EngineCoreRequest(
             request_id=f"{job.request_id}-{index}",
             prompt_token_ids=prompt,

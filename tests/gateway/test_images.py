@@ -268,3 +268,36 @@ def test_text_only_gateway_does_not_import_torch() -> None:
     code = "import sys, gateway.server, gateway.__main__; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_grpc_image_by_url_takes_the_rest_path(vlm_stack: Stack, image_server: str) -> None:
+    """Image.url: an allowed http URL is fetched and a data: URL decoded, as REST does;
+    data and url together (or neither) is INVALID_ARGUMENT."""
+    import grpc
+
+    from services.config import SecurityConfig
+    from services.grpc_utils import sync_channel
+    from services.pb import generate_pb2 as pb
+    from services.pb import generate_pb2_grpc as pb_grpc
+
+    def chat(image: Any) -> Any:
+        parts = [pb.ContentPart(text="What is this?"), pb.ContentPart(image=image)]
+        return pb.ChatRequest(messages=[pb.ChatMessage(role="user", parts=parts)])
+
+    vlm_stack.engine.reset()
+    with sync_channel(vlm_stack.grpc_address, security=SecurityConfig(token=API_KEY)) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        assert stub.Chat(chat(pb.Image(url=image_server))).finish_reason == "stop"
+        (item,) = vlm_stack.engine.requests[-1].mm_inputs
+        assert item.content_hash == image_hash(sample_image(9))
+        url = data_url(png_bytes(sample_image(3)))
+        assert stub.Chat(chat(pb.Image(url=url))).finish_reason == "stop"
+        assert vlm_stack.engine.requests[-1].mm_inputs[0].content_hash == image_hash(
+            sample_image(3)
+        )
+        for bad in (pb.Image(url=url, data=b"x"), pb.Image(mime_type="image/png")):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Chat(chat(bad))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "data or url" in (info.value.details() or "")
+    assert len(vlm_stack.engine.requests) == 2

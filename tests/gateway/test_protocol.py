@@ -14,7 +14,7 @@ import pytest
 from gateway import tools
 from gateway.chat_format import shaped
 from gateway.errors import InvalidRequest
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, GrpcOptions, parse
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from services.types import StructuredOutputParams
 
 USER = [{"role": "user", "content": "hi"}]
@@ -75,8 +75,8 @@ def test_nulls_are_absent_and_defaults_apply() -> None:
 
 
 def test_grpc_options_share_the_checks() -> None:
-    assert parse(GrpcOptions, {"top_k": 5, "max_tokens": 3}).text_options(3, None).top_k == 5
-    assert error(GrpcOptions, {"top_p": 0}).param == "top_p"
+    assert parse(CompletionRequest, {"prompt": "x", "top_k": 5}).options().top_k == 5
+    assert error(CompletionRequest, {"prompt": "x", "top_p": 0}).param == "top_p"
 
 
 def test_constraints_map_to_one_structured_output_params() -> None:
