@@ -66,9 +66,7 @@ class Preparer:
                     card.host_id,
                     req.chat_template_kwargs,
                 )
-            job.prompts.append(
-                job.images.token_ids if job.images else await self._encode_chat(req)
-            )
+            job.prompts.append(job.images.token_ids if job.images else await self._encode_chat(req))
         return Prepared(job, card.name, plan, self._reasoning(req), chat=True)
 
     async def completion(
