@@ -126,4 +126,8 @@ def test_cancelled_stream_aborts_the_engine_request(
     deadline = time.monotonic() + 3
     while not engine.cancelled_at and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert engine.cancelled_at and next(iter(engine.cancelled_at.values())) - cancelled_at < 0.1
+    # Behavioural, not a latency budget: the engine request was cut (cancelled_at is only set
+    # for a request that did not finish) before its answer could have ended by itself.
+    assert engine.cancelled_at
+    answer_s = len(engine.answer_ids) * engine.token_delay_s
+    assert next(iter(engine.cancelled_at.values())) - cancelled_at < answer_s
