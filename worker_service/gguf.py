@@ -2,7 +2,8 @@
 quantized ones kept in their blocks.
 
 GGUF names its tensors the llama.cpp way (`blk.3.attn_q.weight`); each maps to the HF name
-the loader places. Block tensors (Q4_0, Q4_1, Q8_0) become the Linear's `BlockWeight`: q/k/v
+the loader places. Block tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K: quant.TYPE_NAMES) become the Linear's `BlockWeight`: q/k/v
 and gate/up are fused by stacking their block rows (rows are independent). llama.cpp's
 converter permutes the rows of Llama's q and k projections (its RoPE pairs dims 2i, 2i + 1,
 HF's i, i + d/2); the rows are put back in HF's order, blocks and all. The token embedding
