@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 LINK_NAME = "model.gguf"
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF's name (Llama, Mistral, SmolLM2) -> HF's
 # Tensor types the worker reads: float ones as they are, block ones by the GGUF GEMMs.
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                "Q4_K", "Q5_K", "Q6_K")  # fmt: skip
 
 
 class GGUFError(ValueError):

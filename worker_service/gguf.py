@@ -2,9 +2,11 @@
 quantized ones kept in their blocks.
 
 GGUF names its tensors the llama.cpp way (`blk.3.attn_q.weight`); each maps to the HF name
-the loader places. Block tensors (Q4_0, Q4_1, Q8_0) become the Linear's `BlockWeight`: q/k/v
-and gate/up are fused by stacking their block rows (rows are independent). llama.cpp's
-converter permutes the rows of Llama's q and k projections (its RoPE pairs dims 2i, 2i + 1,
+the loader places. Block tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K: quant.TYPE_NAMES) become the Linear's `BlockWeight`: q/k/v and gate/up are fused by
+stacking their block rows (rows are independent), or, where the parts are in different
+formats, by putting their outputs side by side (`StackedBlocks`). llama.cpp's converter
+permutes the rows of Llama's q and k projections (its RoPE pairs dims 2i, 2i + 1,
 HF's i, i + d/2); the rows are put back in HF's order, blocks and all. The token embedding
 is dequantized for its row lookups (the only float copy); a tied LM head multiplies by the
 embedding's blocks. Float tensors (norms; F16/BF16 weights) load as a safetensors one would.
@@ -13,6 +15,7 @@ embedding's blocks. Float tensors (norms; F16/BF16 weights) load as a safetensor
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -147,16 +150,43 @@ def _set_fused(model: LlamaForCausalLM, target: str, parts: dict[int, BlockWeigh
     count = 3 if target.endswith("qkv_proj") else 2
     if sorted(parts) != list(range(count)):
         raise GGUFError(f"{target}: the GGUF file lacks some of its parts")
-    types = {p.ggml_type for p in parts.values()}
-    if len(types) > 1:
-        raise GGUFError(f"{target}: its parts are in different block formats, not supported yet")
     ordered = [parts[i] for i in range(count)]
-    stacked = torch.cat([p.blocks for p in ordered])
     first = ordered[0]
-    _linear(model, target).set_blocks(
-        BlockWeight(stacked, first.ggml_type, first.in_features, first.ops)
-    )
+    if len({p.ggml_type for p in ordered}) > 1:
+        _linear(model, target).set_blocks(StackedBlocks.of(ordered))
+    else:
+        stacked = torch.cat([p.blocks for p in ordered])
+        _linear(model, target).set_blocks(
+            BlockWeight(stacked, first.ggml_type, first.in_features, first.ops)
+        )
     return {f"{target}.weight#{i}" for i in range(count)}
+
+
+@dataclass
+class StackedBlocks(BlockWeight):
+    """A fused Linear whose parts the file stores in different block formats (llama.cpp's
+    Q4_K_M keeps some layers' v in Q6_K, q and k in Q4_K): each part multiplies by its own
+    blocks and the outputs are put side by side. The inherited fields are the first part's."""
+
+    parts: list[BlockWeight] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, parts: list[BlockWeight]) -> StackedBlocks:
+        first = parts[0]
+        return cls(first.blocks, first.ggml_type, first.in_features, first.ops, parts)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[n, in] -> [n, out]: each part's rows (and its slice of the bias) in turn."""
+        sizes = [p.blocks.shape[0] for p in self.parts]
+        biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+        return torch.cat([p.linear(x, b) for p, b in zip(self.parts, biases, strict=True)], -1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
 
 def _linear(model: LlamaForCausalLM, name: str) -> Linear:

@@ -1,5 +1,5 @@
 """The weight-bound GEMMs (small_gemm.h: bf16 weights at a few rows; gguf_gemm.h: GGUF's
-Q4_0 / Q4_1 / Q8_0 blocks at any rows) against a float64 matmul of the same weight values
+Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks and Q4_K / Q5_K / Q6_K super-blocks at any rows) against a float64 matmul of the same weight values
 (the blocks dequantized as the gguf package does), on every build this CPU runs: the
 portable loops, AVX2 and, where the CPU has it, AVX-512; and the Linear layers that choose
 them (packed bf16, weight-only int8)."""
@@ -56,31 +56,33 @@ def test_gemm_bf16(ops: cpu_ops.CpuOps, rows: int, n: int, k: int) -> None:
     _assert_float32_sums_rounded(ops.gemm_bf16(x, w, None), exact, magnitude)
 
 
+# Byte offsets of each format's half scales (d, dmin or m) in its block.
+HALVES = {quant.Q4_0: [0], quant.Q4_1: [0, 2], quant.Q5_0: [0], quant.Q5_1: [0, 2],
+          quant.Q8_0: [0], quant.Q4_K: [0, 2], quant.Q5_K: [0, 2], quant.Q6_K: [208]}  # fmt: skip
+K_QUANTS = [t for t, size in quant.BLOCK_SIZE.items() if size == 256]
+
+
 def random_blocks(ggml_type: int, n: int, k: int) -> torch.Tensor:
-    """[n, k / 32 * bytes] uint8 of random values and scales (finite, small halves)."""
-    raw = torch.randint(
-        0, 256, (n, k // quant.BLOCK, quant.BLOCK_BYTES[ggml_type]), dtype=torch.uint8
-    )
-    halves = 2 if ggml_type == quant.Q4_1 else 1  # d (and m)
-    scales = (torch.rand(n, k // quant.BLOCK, halves) * 0.02 - 0.005).half()
-    raw[..., : 2 * halves] = scales.view(torch.uint8)
+    """[n, k / size * bytes] uint8 of random values and scales (finite, small halves; the
+    K-quants' 6- and 8-bit scales random too)."""
+    size, nbytes = quant.BLOCK_SIZE[ggml_type], quant.BLOCK_BYTES[ggml_type]
+    raw = torch.randint(0, 256, (n, k // size, nbytes), dtype=torch.uint8)
+    for at in HALVES[ggml_type]:
+        scales = (torch.rand(n, k // size, 1) * 0.02 - 0.005) / (size // quant.BLOCK)
+        raw[..., at : at + 2] = scales.half().view(torch.uint8)
     return raw.reshape(n, -1)
 
 
 @pytest.mark.parametrize("ggml_type", list(quant.BLOCK_BYTES), ids=quant.TYPE_NAMES.get)
 def test_dequantize_blocks_equals_the_gguf_package(ggml_type: int) -> None:
-    blocks = random_blocks(ggml_type, 5, 96)
+    blocks = random_blocks(ggml_type, 5, 96 if quant.BLOCK_SIZE[ggml_type] == 32 else 768)
     theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type))
     torch.testing.assert_close(
         quant.dequantize_blocks(blocks, ggml_type), torch.from_numpy(theirs), atol=0, rtol=0
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (67, 96), (3072, 576), (576, 1536)])
-@pytest.mark.parametrize("ggml_type", list(quant.BLOCK_BYTES), ids=quant.TYPE_NAMES.get)
-def test_gemm_gguf_equals_dequantize_then_matmul(
+def _check_gemm_gguf(
     ops: cpu_ops.CpuOps, ggml_type: int, dtype: torch.dtype, rows: int, n: int, k: int
 ) -> None:
     torch.manual_seed(rows * n + k)
@@ -95,12 +97,48 @@ def test_gemm_gguf_equals_dequantize_then_matmul(
     _assert_float32_sums_rounded(ops.gemm_gguf(x, blocks, ggml_type, None), exact, magnitude)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (67, 96), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize(
+    "ggml_type", [t for t in quant.BLOCK_BYTES if t not in K_QUANTS], ids=quant.TYPE_NAMES.get
+)
+def test_gemm_gguf_equals_dequantize_then_matmul(
+    ops: cpu_ops.CpuOps, ggml_type: int, dtype: torch.dtype, rows: int, n: int, k: int
+) -> None:
+    _check_gemm_gguf(ops, ggml_type, dtype, rows, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [*range(1, 9), 17, 33])
+@pytest.mark.parametrize(("n", "k"), [(1, 256), (67, 512), (1029, 768), (576, 1536)])
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=quant.TYPE_NAMES.get)
+def test_gemm_gguf_k_quants_equal_dequantize_then_matmul(
+    ops: cpu_ops.CpuOps, ggml_type: int, dtype: torch.dtype, rows: int, n: int, k: int
+) -> None:
+    """Super-blocks of 256 weights: K any multiple of 256, odd column counts N."""
+    _check_gemm_gguf(ops, ggml_type, dtype, rows, n, k)
+
+
 def test_gemm_gguf_refuses_partial_blocks_and_unknown_types(ops: cpu_ops.CpuOps) -> None:
     x = torch.randn(2, 48)
-    with pytest.raises(ValueError, match="gemm_gguf"):
+    with pytest.raises(ValueError, match="gemm_gguf: K=48 is not a whole number of blocks"):
         ops.gemm_gguf(x, torch.zeros(4, 34 + 17, dtype=torch.uint8), quant.Q8_0, None)
+    for k_quant in K_QUANTS:  # 288 = 9 blocks of 32, not whole super-blocks of 256
+        with pytest.raises(ValueError, match="K=288 is not a whole number of blocks"):
+            ops.gemm_gguf(
+                torch.randn(2, 288), torch.zeros(4, 144, dtype=torch.uint8), k_quant, None
+            )
     with pytest.raises(ValueError, match="gemm_gguf"):
-        ops.gemm_gguf(x[:, :32], torch.zeros(4, 34, dtype=torch.uint8), 12, None)  # Q4_K
+        ops.gemm_gguf(x[:, :32], torch.zeros(4, 34, dtype=torch.uint8), 10, None)  # Q2_K
+
+
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=quant.TYPE_NAMES.get)
+def test_block_weight_refuses_partial_super_blocks(ggml_type: int) -> None:
+    name = quant.TYPE_NAMES[ggml_type]
+    with pytest.raises(ValueError, match=f"288 input features are not whole {name} blocks of 256"):
+        quant.BlockWeight(torch.zeros(4, 2 * quant.BLOCK_BYTES[ggml_type], dtype=torch.uint8),
+                          ggml_type, 288, None)  # fmt: skip
 
 
 def test_q8_0_quantization_is_symmetric_per_block() -> None:

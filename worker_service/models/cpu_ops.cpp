@@ -10,7 +10,8 @@
 //   silu_mul      gate_up [n, 2 * inter] (gate first); out [n, inter]
 // and the sampler's grammar mask: apply_bitmask (float32 logits, int32 words), and the
 // weight-bound GEMMs: few rows over bf16 weights (small_gemm.h: gemm_bf16), and any rows over
-// GGUF's blocks as the file stores them (gguf_gemm.h; with int8 activations, gguf_q8.h).
+// GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as the file stores them
+// (gguf_formats.h, gguf_gemm.h: gemm_gguf; with int8 activations, gguf_q8.h).
 
 #include <algorithm>
 #include <cmath>
@@ -183,8 +184,8 @@ int tessera_gemm_bf16(const void* x, const void* w, const void* bias, void* out,
              : 2;
 }
 
-// x, out [rows, K] and [rows, N] in `dtype`; w [N, K / 32] blocks of GGUF `type` (ggml's id:
-// Q4_0, Q4_1 or Q8_0); bias [N] in `dtype` or null.
+// x, out [rows, K] and [rows, N] in `dtype`; w [N, K / 32 or K / 256] blocks of GGUF `type`
+// (ggml's id: gguf_formats.h); bias [N] in `dtype` or null.
 int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const void* bias,
                       void* out, int64_t rows, int64_t K, int64_t N, int int8_x,
                       int num_threads) {

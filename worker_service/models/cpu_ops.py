@@ -1,6 +1,6 @@
 """Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up,
 the sampler's grammar bitmask, and the GEMMs bound by reading the weight (`small_gemm.h`):
-a few rows over bf16 weights, any rows over GGUF's blocks (`gguf_gemm.h`).
+a few rows over bf16 weights, any rows over GGUF's blocks and super-blocks (`gguf_gemm.h`).
 
 At small batches a decode step is dominated by the dispatch of many tiny torch ops;
 each of these replaces 3-8 of them with one ctypes call that keeps HF's bf16 rounding
@@ -167,8 +167,8 @@ class CpuOps:
     def gemm_gguf(
         self,
         x: torch.Tensor,  # [rows, K] float32 or bf16
-        blocks: torch.Tensor,  # [N, K / 32 * block bytes] uint8: GGUF blocks of `ggml_type`
-        ggml_type: int,  # Q4_0 (2), Q4_1 (3) or Q8_0 (8)
+        blocks: torch.Tensor,  # [N, K / block size * block bytes] uint8: GGUF blocks
+        ggml_type: int,  # quant.TYPE_NAMES: Q4_0 (2) ... Q8_0 (8), Q4_K (12) ... Q6_K (14)
         bias: torch.Tensor | None,  # [N] in x's dtype
         int8_x: bool = False,
     ) -> torch.Tensor:
@@ -184,6 +184,11 @@ class CpuOps:
             out.data_ptr(), x.shape[0], x.shape[1], blocks.shape[0], int(int8_x),
             torch.get_num_threads(),
         )  # fmt: skip
+        if status == 2:
+            raise ValueError(
+                f"fused CPU op gemm_gguf: K={x.shape[1]} is not a whole number of blocks of "
+                f"ggml type {ggml_type} (32 weights; 256 for the K-quants)"
+            )
         _check(status, "gemm_gguf")
         return out
 

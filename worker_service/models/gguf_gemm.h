@@ -1,74 +1,22 @@
-// GEMMs over GGUF's block formats, kept as the file stores them (ggml's layouts): each weight
-// row is K / 32 blocks of 32 weights, w = d * q + m per block, d and m IEEE halves:
-//   Q4_0  {half d; uint8 qs[16]}         q = nibble - 8 (m = -8 d), 18 bytes
-//   Q4_1  {half d; half m; uint8 qs[16]} q = nibble,                20 bytes
-//   Q8_0  {half d; int8 qs[32]}          q = qs,     m = 0,         34 bytes
-// (nibbles: value j is qs[j] & 15 and value j + 16 is qs[j] >> 4). The dot product of a row of
-// x with a block is d * sum(x q) + m * sum(x): the q are widened in registers and the sums of x
-// over each block are taken once per call, so a weight costs its 4.5-8.5 bits of memory.
+// GEMMs over GGUF's block formats (gguf_formats.h), kept as the file stores them: each weight
+// row is K / kBlock blocks, each block kGroups groups of 32 weights w = dq + m. The dot product
+// of a row of x with a group is sum(x dq) + m * sum(x): the values are widened and scaled in
+// registers once for every row of x, and the sums of x over each group are taken once per call,
+// so a weight costs its 4.5-8.5 bits of memory.
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#include "bf16.h"
+#include "gguf_formats.h"
 #include "small_gemm.h"
 
 namespace gguf_gemm {
 
-using small_gemm::Vec;
-
-constexpr int64_t kBlock = 32;  // weights per block
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return half_to_float(h);
-}
-
-constexpr int kVecs = int(kBlock / Vec::W);  // vectors of one block's values
-using Values = typename Vec::V[kVecs];
-
-inline void int8_values(const uint8_t* p, Values& q) {
-  for (int c = 0; c < kVecs; ++c) q[c] = Vec::load(reinterpret_cast<const int8_t*>(p) + c * Vec::W);
-}
-
-// Each format: its ggml type id, block bytes, whether it has an offset m, and load(): the
-// block's 32 values widened into vectors (once, for every row of x), with d and m.
-struct Q4_0 {
-  static constexpr int kType = 2, kBytes = 18;
-  static constexpr bool kHasMin = true;
-  static void load(const uint8_t* b, Values& q, float& d, float& m) {
-    d = half_at(b);
-    m = -8.0f * d;
-    Vec::nibbles(b + 2, q);
-  }
-};
-
-struct Q4_1 {
-  static constexpr int kType = 3, kBytes = 20;
-  static constexpr bool kHasMin = true;
-  static void load(const uint8_t* b, Values& q, float& d, float& m) {
-    d = half_at(b);
-    m = half_at(b + 2);
-    Vec::nibbles(b + 4, q);
-  }
-};
-
-struct Q8_0 {
-  static constexpr int kType = 8, kBytes = 34;
-  static constexpr bool kHasMin = false;
-  static void load(const uint8_t* b, Values& q, float& d, float& m) {
-    d = half_at(b);
-    m = 0.0f;
-    int8_values(b + 2, q);
-  }
-};
-
-// x [rows, K] (widened) . row n of F blocks; xsum [rows, K / 32]: the sums of x per block.
+// x [rows, K] (widened) . row n of F blocks; xsum [rows, K / 32]: the sums of x per group.
 template <typename F>
 struct BlockDot {
+  static constexpr int64_t kBlock = kGroup * F::kGroups;  // weights per block
   const float* x;
   const float* xsum;
   const uint8_t* w;
@@ -82,7 +30,7 @@ struct BlockDot {
   template <int M>
   void run(int64_t r0, int64_t n, float (&sums)[M]) const {
     constexpr int C = kChains<M>;
-    const int64_t blocks = K / kBlock;
+    const int64_t blocks = K / kBlock, groups = K / kGroup;
     const uint8_t* row = w + n * blocks * F::kBytes;
     typename Vec::V acc[M][C];
     float offset[M];
@@ -91,16 +39,18 @@ struct BlockDot {
       offset[m] = 0.0f;
     }
     for (int64_t b = 0; b < blocks; ++b) {
-      float d, mn;
-      Values q;
-      F::load(row + b * F::kBytes, q, d, mn);
-      const typename Vec::V dv = Vec::set1(d);
-      for (int c = 0; c < kVecs; ++c) q[c] = Vec::mul(q[c], dv);  // d q: shared by the rows
-      for (int m = 0; m < M; ++m) {
-        const float* xb = x + (r0 + m) * K + b * kBlock;
-        for (int c = 0; c < kVecs; ++c)
-          acc[m][c % C] = Vec::fma(Vec::load(xb + c * Vec::W), q[c], acc[m][c % C]);
-        if (F::kHasMin) offset[m] += mn * xsum[(r0 + m) * blocks + b];
+      const typename F::Block block(row + b * F::kBytes);
+      for (int j = 0; j < F::kGroups; ++j) {
+        const int64_t g = b * F::kGroups + j;
+        float mn;
+        Values q;  // d q: shared by the rows
+        block.group(j, q, mn);
+        for (int m = 0; m < M; ++m) {
+          const float* xg = x + (r0 + m) * K + g * kGroup;
+          for (int c = 0; c < kVecs; ++c)
+            acc[m][c % C] = Vec::fma(Vec::load(xg + c * Vec::W), q[c], acc[m][c % C]);
+          if (F::kHasMin) offset[m] += mn * xsum[(r0 + m) * groups + g];
+        }
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -110,28 +60,38 @@ struct BlockDot {
   }
 };
 
+// Returns 0, or 2 for rows < 1 or K not a whole number of F's blocks.
 template <typename F, typename TX>
-void gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows, int64_t K,
-                 int64_t N, int num_threads) {
+int gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows, int64_t K,
+                int64_t N, int num_threads) {
+  if (rows < 1 || K % BlockDot<F>::kBlock != 0) return 2;
   const std::vector<float> xf = small_gemm::widen_rows(x, rows, K);
-  const int64_t blocks = K / kBlock;
-  std::vector<float> xsum(rows * blocks, 0.0f);
-  for (int64_t i = 0; i < rows * blocks; ++i)
-    for (int64_t c = 0; c < kBlock; ++c) xsum[i] += xf[i * kBlock + c];
+  const int64_t groups = K / kGroup;
+  std::vector<float> xsum(rows * groups, 0.0f);
+  if (F::kHasMin)
+    for (int64_t i = 0; i < rows * groups; ++i)
+      for (int64_t c = 0; c < kGroup; ++c) xsum[i] += xf[i * kGroup + c];
   const BlockDot<F> dot{xf.data(), xsum.data(), w, K};
-  small_gemm::run(dot, bias, out, rows, N, N * blocks * F::kBytes, num_threads);
+  const int64_t row_bytes = K / BlockDot<F>::kBlock * F::kBytes;
+  small_gemm::run(dot, bias, out, rows, N, N * row_bytes, num_threads);
+  return 0;
 }
 
-// out = x @ dequantize(w).T + bias, w [N, K / 32 blocks of `type`]. Returns 0, or 2 for
-// rows < 1 or K not a multiple of 32, 3 for a type it does not know.
+// out = x @ dequantize(w).T + bias, w [N, K / kBlock blocks of `type`] (ggml's type id).
+// Returns 0, or 2 for rows < 1 or K not a whole number of blocks (32 weights; 256 for the
+// K-quants), 3 for a type it does not know.
 template <typename TX>
 int gemm(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows,
          int64_t K, int64_t N, int num_threads) {
-  if (rows < 1 || K % kBlock != 0) return 2;
   switch (type) {
-    case Q4_0::kType: gemm_format<Q4_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q4_1::kType: gemm_format<Q4_1>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q8_0::kType: gemm_format<Q8_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q4_0::kType: return gemm_format<Q4_0>(x, w, bias, out, rows, K, N, num_threads);
+    case Q4_1::kType: return gemm_format<Q4_1>(x, w, bias, out, rows, K, N, num_threads);
+    case Q5_0::kType: return gemm_format<Q5_0>(x, w, bias, out, rows, K, N, num_threads);
+    case Q5_1::kType: return gemm_format<Q5_1>(x, w, bias, out, rows, K, N, num_threads);
+    case Q8_0::kType: return gemm_format<Q8_0>(x, w, bias, out, rows, K, N, num_threads);
+    case Q4_K::kType: return gemm_format<Q4_K>(x, w, bias, out, rows, K, N, num_threads);
+    case Q5_K::kType: return gemm_format<Q5_K>(x, w, bias, out, rows, K, N, num_threads);
+    case Q6_K::kType: return gemm_format<Q6_K>(x, w, bias, out, rows, K, N, num_threads);
     default: return 3;
   }
 }

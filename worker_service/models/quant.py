@@ -1,17 +1,20 @@
 """Weights kept in GGUF's block formats, and weight-only int8 at load (`--quantization int8`).
 
 A `BlockWeight` is a Linear's weight as ggml stores it: each row K / 32 blocks of 32
-weights with a half scale d (and, for Q4_1, a half offset m): Q4_0 and Q4_1 (4-bit), Q8_0
-(8-bit). GGUF files are served in their own blocks (worker_service/gguf.py);
+weights with a half scale d (and, for Q4_1 and Q5_1, a half offset m): Q4_0 and Q4_1 (4-bit),
+Q5_0 and Q5_1 (5-bit), Q8_0 (8-bit); or K / 256 super-blocks of the K-quants Q4_K, Q5_K and
+Q6_K (groups of 32 or 16 weights with 6- or 8-bit scales; block_formats.py). GGUF files are served in their own blocks (worker_service/gguf.py);
 `--quantization int8` quantizes a float checkpoint to Q8_0 at load: symmetric, one scale per
 32 weights of a row (finer than one per row: on the default model, whose weights come from
 a Q4_1 file, per-row int8 costs 1.6% perplexity, Q8_0 blocks well under 1%).
 
-The GEMM (`cpu_ops.gemm_gguf`) reads the blocks: 1.06 (Q8_0) or 0.56-0.63 (Q4) bytes a
-weight, where bf16 reads two and AVX2's float32 GEMMs four. A bf16 model's activations are
-quantized to int8 per 32 values for integer dot products, as llama.cpp does (gguf_q8.h: the
-fast default); a float32 model's stay float32 and the weights are widened in registers
-(gguf_gemm.h: the exact path, which the parity tests run). Without the C++ ops (no compiler, not a CPU) the weight is dequantized
+The GEMM (`cpu_ops.gemm_gguf`) reads the blocks: 1.06 (Q8_0), 0.82 (Q6_K), 0.69-0.75 (Q5)
+or 0.56-0.63 (Q4) bytes a weight, where bf16 reads two and AVX2's float32 GEMMs four. A bf16
+model's activations are quantized to int8 per 32 values for integer dot products, as
+llama.cpp does (gguf_q8.h, for Q4_0, Q4_1 and Q8_0: the fast default); otherwise, and for a
+float32 model, they stay float32 and the weights are widened in registers (gguf_gemm.h: the
+exact path, which the parity tests run). Without the C++ ops (no compiler, not a CPU) the
+weight is dequantized
 per call: correct, not fast.
 """
 
@@ -22,12 +25,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker_service.models import block_formats
 from worker_service.models.cpu_ops import CpuOps
 
-BLOCK = 32  # weights per block
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+BLOCK = 32  # weights per block (of Q4_0 ... Q8_0; K-quants: per group of a super-block)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # ggml type ids
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+BLOCK_SIZE = {t: 256 if t in (Q4_K, Q5_K, Q6_K) else BLOCK for t in BLOCK_BYTES}  # weights
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+              Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
 NATIVE = (torch.float32, torch.bfloat16)  # activation dtypes of the C++ GEMM
 
 
@@ -35,7 +41,7 @@ NATIVE = (torch.float32, torch.bfloat16)  # activation dtypes of the C++ GEMM
 class BlockWeight:
     """A Linear's weight [out, in] as rows of GGUF blocks."""
 
-    blocks: torch.Tensor  # [out, in / 32 * BLOCK_BYTES[ggml_type]] uint8
+    blocks: torch.Tensor  # [out, in / BLOCK_SIZE * BLOCK_BYTES[ggml_type]] uint8
     ggml_type: int
     in_features: int
     ops: CpuOps | None  # the C++ GEMM, where it runs
@@ -43,9 +49,12 @@ class BlockWeight:
     def __post_init__(self) -> None:
         if self.ggml_type not in BLOCK_BYTES:
             raise ValueError(f"ggml type {self.ggml_type} is not a block format Tessera reads")
-        if self.in_features % BLOCK:
-            raise ValueError(f"{self.in_features} input features are not whole blocks of 32")
-        row_bytes = self.in_features // BLOCK * BLOCK_BYTES[self.ggml_type]
+        size, name = BLOCK_SIZE[self.ggml_type], TYPE_NAMES[self.ggml_type]
+        if self.in_features % size:
+            raise ValueError(
+                f"{self.in_features} input features are not whole {name} blocks of {size}"
+            )
+        row_bytes = self.in_features // size * BLOCK_BYTES[self.ggml_type]
         if self.blocks.dtype != torch.uint8 or self.blocks.shape[1:] != (row_bytes,):
             raise ValueError(f"blocks {tuple(self.blocks.shape)} are not rows of {row_bytes} bytes")
         self.blocks = self.blocks.contiguous()
@@ -83,9 +92,12 @@ class BlockWeight:
 
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """[rows, blocks * BLOCK_BYTES] uint8 -> [rows, blocks * 32] float32, as ggml dequantizes."""
+    """[rows, blocks * BLOCK_BYTES] uint8 -> [rows, blocks * BLOCK_SIZE] float32, as ggml
+    dequantizes."""
     rows = blocks.shape[0]
     raw = blocks.reshape(rows, -1, BLOCK_BYTES[ggml_type])  # [rows, blocks, bytes]
+    if ggml_type in block_formats.DEQUANTIZE:
+        return block_formats.DEQUANTIZE[ggml_type](raw).reshape(rows, -1)
     d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
     if ggml_type == Q8_0:
         q = raw[..., 2:].contiguous().view(torch.int8).float()
