@@ -21,7 +21,7 @@
 namespace gguf_q8 {
 
 using gguf_gemm::half_at;
-using gguf_gemm::kBlock;
+constexpr int64_t kBlock = gguf_gemm::kGroup;  // values per int8 block of x (and per Q4/Q8 block)
 
 // x [rows, K] float32 -> q [rows, K] int8 and d [rows, K / 32]: d = max |x| / 127 per 32
 // values, q = round(x / d) to nearest even (x * (1 / d), as llama.cpp's quantize_row_q8_0).
