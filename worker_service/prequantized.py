@@ -192,15 +192,17 @@ def load_prequantized(
                 if kind in _PARTS:
                     quantized.setdefault(stem, {})[kind] = f.get_tensor(name)
                     continue
-                _allocate(model, name.removeprefix("model."), dtype)
-                loaded |= _load_tensor(model, model.config, name, f.get_tensor(name), model.shard)
+                for piece_name, piece in model.split_checkpoint(name, f.get_tensor(name)):
+                    _allocate(model, piece_name.removeprefix("model."), dtype)
+                    loaded |= _load_tensor(model, model.config, piece_name, piece, model.shard)
     fused: dict[str, dict[int, BlockWeight]] = {}  # q/k/v, gate/up: stacked once all are read
     for stem, tensors in quantized.items():
         linear, target, part = _linear(model, stem, config)
         weight = repack(tensors, config, stem)
         if part is None:
-            linear.set_blocks(weight)
-            loaded.add(f"{stem}.weight")
+            linear.set_blocks(weight)  # (a checkpoint's own fused qkv_proj: all its parts)
+            count = {"qkv_proj": 3, "gate_up_proj": 2}.get(stem.rpartition(".")[2], 0)
+            loaded |= {f"{stem}.weight#{i}" for i in range(count)} or {f"{stem}.weight"}
         else:
             fused.setdefault(target, {})[part] = weight
     for target, parts in fused.items():

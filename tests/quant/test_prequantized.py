@@ -18,6 +18,7 @@ from tessera import LLM
 from tests.hf_reference import hf_greedy_with
 from tests.quant.prequant_files import hf_with_weights, save_tiny_llama, write_quantized
 from tests.worker.tiny_dense import eight_prompts
+from tests.worker.tiny_families import save_family
 from worker_service.models.layers import Linear
 from worker_service.models.quant import Q4_0, Q4_1
 from worker_service.prequantized import unpack_awq, unpack_columns, unpack_rows
@@ -119,3 +120,11 @@ def test_quantization_flags_must_match_the_checkpoint(tiny_llama: Path, tmp_path
     with pytest.raises(ValueError, match="has no quantization_config"):
         LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="64MiB", quantization="awq")
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["bits"] == 4
+
+
+def test_awq_qwen2_keeps_its_float_qkv_biases(tmp_path: Path, default_model_dir: Path) -> None:
+    """Qwen2's q/k/v biases stay float next to the fused Q4 qkv blocks."""
+    src = save_family("qwen2", tmp_path / "float", default_model_dir)
+    reference = write_quantized(src, tmp_path / "awq", "awq", 32)
+    ours, _ = greedy(tmp_path / "awq")
+    assert ours == hf_greedy_with(hf_with_weights(src, reference), eight_prompts(), NEW_TOKENS)
