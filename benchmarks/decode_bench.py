@@ -49,10 +49,11 @@ def _prompt(i: int, n: int) -> list[int]:
 class WorkerBench:
     """Drives a Worker directly with hand-built SchedulerOutputs."""
 
-    def __init__(self, dtype: Literal["bfloat16", "float32"], quantization: str = "none") -> None:
-        self.worker = Worker(
-            WorkerConfig(model=ModelConfig(dtype=dtype, quantization=quantization))
-        )
+    def __init__(
+        self, dtype: Literal["bfloat16", "float32"], quantization: str = "none", group: int = 32
+    ) -> None:
+        model = ModelConfig(dtype=dtype, quantization=quantization, quantization_group_size=group)
+        self.worker = Worker(WorkerConfig(model=model))
         self.worker.initialize_cache(1024)
         self.step = 0
 

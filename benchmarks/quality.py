@@ -4,7 +4,8 @@
 
 For every format (fp32: float32; bf16: the bfloat16 default; int8: bf16 activations over
 `--quantization int8` weights, Q8_0 blocks; gguf-q4_1: bf16 activations over the default
-model's GGUF file as shipped, `--quantization gguf`):
+model's GGUF file as shipped, `--quantization gguf`; int4 / int4-g128: bf16 activations over
+`--quantization int4` weights, Q4_1 blocks, one scale and offset per 32 / 128 weights):
 - perplexity over a fixed held-in-repo text (benchmarks/data/quality_text.txt, public domain,
   ~2,000 tokens) in windows of --window tokens, from the prompt logprobs of the offline LLM;
 - greedy agreement with HF transformers in float32: of 8 prompts, how many give the same
@@ -40,7 +41,10 @@ FORMATS: dict[str, tuple[Dtype, str]] = {
     "bf16": ("bfloat16", "none"),
     "int8": ("bfloat16", "int8"),
     "gguf-q4_1": ("bfloat16", "gguf"),
+    "int4": ("bfloat16", "int4"),
+    "int4-g128": ("bfloat16", "int4"),
 }
+GROUPS = {"int4-g128": 128}  # --quantization-group-size of a format (else 32)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -102,7 +106,8 @@ def quality(
 ) -> dict[str, Any]:  # fmt: skip
     """Perplexity of `ids` and greedy agreement on `prompts` of one format (offline LLM)."""
     dtype, quantization = FORMATS[name]
-    llm = LLM(dtype=dtype, quantization=quantization, kv_cache_memory="256MiB", max_num_seqs=8)
+    llm = LLM(dtype=dtype, quantization=quantization, quantization_group_size=GROUPS.get(name, 32),
+              kv_cache_memory="256MiB", max_num_seqs=8)  # fmt: skip
     try:
         outs = greedy(llm, prompts, args.new_tokens)
         prefixes = [common_prefix(o, r) for o, r in zip(outs, reference, strict=True)]
@@ -127,7 +132,7 @@ def weight_bytes(bench: WorkerBench) -> int:
 
 def speed(names: list[str], steps: int, repeats: int) -> dict[str, dict[str, float]]:
     """Batch-1 and batch-32 decode tokens/s per format, interleaved, medians over repeats."""
-    benches = {n: WorkerBench(*FORMATS[n]) for n in names}
+    benches = {n: WorkerBench(*FORMATS[n], GROUPS.get(n, 32)) for n in names}
     rates: dict[str, dict[str, list[float]]] = {n: {"b1": [], "b32": []} for n in names}
     for r in range(repeats + 1):  # the first pass warms up
         for name, bench in benches.items():

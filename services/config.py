@@ -85,7 +85,8 @@ class HubConfig:
     download_dir: str = ""
 
 
-QUANTIZATIONS = ("none", "int8", "gguf")  # ModelConfig.quantization
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "awq", "gptq")  # ModelConfig.quantization
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # ModelConfig.quantization_group_size (int4)
 
 
 @dataclass(frozen=True)
@@ -116,15 +117,27 @@ class ModelConfig:
     # What the model runs as (vLLM's --runner): "generate" (completions, chat) or "pooling"
     # (embeddings: prefill-only requests pooled per the model's sentence-transformers files).
     runner: Runner = "generate"
-    # Weights: "none" (as the checkpoint has them; a GGUF file is always read in its blocks),
-    # "int8" (quantized at load, Q8_0 blocks), or "gguf" (the default model's GGUF as shipped).
+    # Weights: "none" (as the checkpoint has them: a GGUF file is always read in its blocks,
+    # an AWQ/GPTQ checkpoint by its config.json quantization_config), "int8" (quantized at
+    # load, Q8_0 blocks), "int4" (quantized at load, group-wise asymmetric, Q4_1 blocks),
+    # "gguf" (the default model's GGUF as shipped), "awq" / "gptq" (the checkpoint must be one).
     quantization: str = "none"
+    # int4: weights of a row sharing one scale and offset (32, 64 or 128; AWQ/GPTQ: the file's).
+    quantization_group_size: int = 32
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must name a directory or 'default'")
         _require(
             self.quantization in QUANTIZATIONS,
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}",
+        )
+        _require(
+            self.quantization_group_size in QUANTIZATION_GROUP_SIZES,
+            f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}",
+        )
+        _require(
+            self.quantization_group_size == 32 or self.quantization == "int4",
+            "quantization_group_size applies to quantization int4 only",
         )
         _require(
             self.runner in RUNNERS,

@@ -88,8 +88,12 @@ def weights_source(model: str, quantization: str) -> str:
         raise ValueError(
             f"--quantization gguf needs a .gguf model or the default one, not {model!r}"
         )
-    if quantization == "int8" and is_gguf:
-        raise ValueError(f"{model} is a GGUF file, already quantized: drop --quantization int8")
+    if quantization in ("int8", "int4") and is_gguf:
+        raise ValueError(
+            f"{model} is a GGUF file, already quantized: drop --quantization {quantization}"
+        )
+    if quantization in ("awq", "gptq") and (is_gguf or model == DEFAULT_MODEL):
+        raise ValueError(f"--quantization {quantization} needs a {quantization} checkpoint")
     return model
 
 

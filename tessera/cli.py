@@ -138,7 +138,8 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         scheduler_addr = f"127.0.0.1:{replica.scheduler_port}"
         worker = [
             py, "-m", "worker_service", "--model", model, "--served-model-name", name, "--dtype", args.dtype,
-            "--bf16-gemm", args.bf16_gemm, "--quantization", args.quantization, *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
+            "--bf16-gemm", args.bf16_gemm, "--quantization", args.quantization,
+            "--quantization-group-size", str(args.quantization_group_size), *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
             "--host", "127.0.0.1", "--port", str(replica.worker_port), "--block-size", str(args.block_size),
             "--kv-cache-memory", replica.kv_cache_memory, "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs),

@@ -96,6 +96,7 @@ class LLM:
         *,
         dtype: str = "bfloat16",
         quantization: str | None = None,
+        quantization_group_size: int = 32,
         max_model_len: int = 0,
         block_size: int = 16,
         kv_cache_memory: str | int = "2GiB",
@@ -120,7 +121,9 @@ class LLM:
         """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`;
         `speculative_config`: vLLM's dict, e.g. {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4};
-        `quantization="int8"` quantizes the weights at load (weight-only, per channel)."""
+        `quantization="int8"` / `"int4"` quantizes the weights at load (weight-only; int4 in
+        groups of `quantization_group_size` = 32, 64 or 128 weights); an AWQ or GPTQ
+        checkpoint is read as it is (its config.json's quantization_config)."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
         source = model
@@ -141,6 +144,7 @@ class LLM:
                 model=model,
                 dtype=dtype,  # type: ignore[arg-type]
                 quantization=quantization or "none",
+                quantization_group_size=quantization_group_size,
                 max_model_len=max_model_len,
                 seed=seed,
                 runner=self.runner,

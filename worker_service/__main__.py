@@ -107,6 +107,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             dtype=args.dtype,
             bf16_gemm=args.bf16_gemm,
             quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
             hf_exact_numerics=args.hf_exact_numerics,
             max_model_len=args.max_model_len,
             device=args.device,

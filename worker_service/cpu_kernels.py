@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config import QUANTIZATIONS, ModelConfig
+from services.config import QUANTIZATION_GROUP_SIZES, QUANTIZATIONS, ModelConfig
 
 # Flags worth naming in logs and benchmark records, in this order.
 NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
@@ -138,8 +138,16 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default="none",
         choices=QUANTIZATIONS,
-        help="weights: int8 (quantized at load to Q8_0 blocks), gguf (the default model's GGUF "
-        "file as shipped); a .gguf --model is always served in its own blocks",
+        help="weights: int8 / int4 (quantized at load to Q8_0 / Q4_1 blocks), gguf (the default "
+        "model's GGUF file as shipped), awq / gptq (the checkpoint must be one); a .gguf --model, "
+        "an AWQ or GPTQ checkpoint is always served in its own 4-bit weights",
+    )
+    parser.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        choices=QUANTIZATION_GROUP_SIZES,
+        help="--quantization int4: consecutive weights of a row sharing a scale and an offset",
     )
     parser.add_argument(
         "--hf-exact-numerics",

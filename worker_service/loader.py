@@ -44,12 +44,17 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Instantiate the registered class for `model_dir` and load its safetensors weights
     (this rank's share of them under tensor parallelism)."""
+    from worker_service.prequantized import load_prequantized, read_prequant_config
+
     tp = tp or TPGroup()
     cfg = read_model_config(model_dir)
     cls = model_class(cfg.architecture)
     check_features(cls, cfg)
     gguf = (model_dir / LINK_NAME).exists()  # a GGUF file's directory (services.gguf_model)
-    with torch.device(device), deferred_weights(gguf):  # GGUF: linears get their blocks
+    prequant = read_prequant_config(model_dir)  # AWQ / GPTQ (before any weight is read)
+    if prequant is not None and tp.size > 1:
+        raise ValueError(f"{prequant.source}: {prequant.method} with tensor parallelism: not yet")
+    with torch.device(device), deferred_weights(gguf or prequant is not None):  # get blocks
         model = cls(cfg, backend, tp)
     _cast(model, dtype)
     if gguf:
@@ -57,6 +62,10 @@ def load_model(
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    if prequant is not None:
+        _check_complete(model, load_prequantized(model, files, prequant, dtype))
+        _log_weight_bytes(model, tp)
+        return model.eval()
     loaded: set[str] = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:

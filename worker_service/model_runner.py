@@ -37,10 +37,11 @@ from worker_service.loader import load_model
 from worker_service.lora.manager import LoRAManager
 from worker_service.models import cpu_ops
 from worker_service.models.context import forward_context
-from worker_service.models.quant import quantize_linears
+from worker_service.models.quant_int4 import quantize_at_load
 from worker_service.multimodal import MultiModalInputs
 from worker_service.parallel import TPGroup
 from worker_service.pooler import Pooler
+from worker_service.prequantized import check_quantization
 from worker_service.rejection_sampler import rejection_sample
 from worker_service.sampler import Sampler
 from worker_service.sampling_batch import build_sampling_batch, to_token_logprobs
@@ -63,9 +64,13 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         self.backend = get_attention_backend(config.attention_backend, device)
         self.tp.expert_parallel = config.parallel.enable_expert_parallel
+        check_quantization(model_dir, config.model.quantization)  # vs an AWQ / GPTQ checkpoint
         self.model = load_model(model_dir, self.dtype, device, self.backend, self.tp)
-        if quantize_linears(self.model, config.model.quantization):
-            log.info("weights: %s, as Q8_0 blocks (weight-only)", config.model.quantization)
+        model_cfg = config.model
+        if done := quantize_at_load(
+            self.model, model_cfg.quantization, model_cfg.quantization_group_size
+        ):
+            log.info("weights: %s (weight-only)", done)
         if self.dtype == torch.bfloat16 and device.type == "cpu":
             self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))
         arch = self.model.config

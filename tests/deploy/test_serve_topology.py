@@ -98,10 +98,23 @@ def test_speculative_config_reaches_worker_and_scheduler() -> None:
         build_services(bad, "token")
 
 
-@pytest.mark.parametrize("value", ["int8", "gguf"])
+@pytest.mark.parametrize("value", ["int8", "int4", "gguf", "awq", "gptq"])
 def test_quantization_reaches_the_worker(value: str) -> None:
     """`tessera serve -q VALUE` is the worker's ModelConfig.quantization."""
     from worker_service.__main__ import build_config
 
     worker_argv = build_services(build_parser().parse_args(["serve", "-q", value]), "t")[0].argv
     assert build_config(parsed(worker_argv)[1]).model.quantization == value
+
+
+def test_the_int4_group_size_reaches_the_worker() -> None:
+    from worker_service.__main__ import build_config
+
+    args = build_parser().parse_args(["serve", "-q", "int4", "--quantization-group-size", "128"])
+    model = build_config(parsed(build_services(args, "t")[0].argv)[1]).model
+    assert (model.quantization, model.quantization_group_size) == ("int4", 128)
+    with pytest.raises(SystemExit):  # argparse: not one of 32, 64, 128
+        build_parser().parse_args(["serve", "--quantization-group-size", "48"])
+    bad = build_parser().parse_args(["serve", "-q", "int8", "--quantization-group-size", "64"])
+    with pytest.raises(ValueError, match="int4 only"):
+        build_config(parsed(build_services(bad, "t")[0].argv)[1])

@@ -4,6 +4,7 @@ load, and Tessera's greedy (float32 activations) equals HF generate over the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,14 +20,21 @@ from worker_service.models.quant import Q8_0, BlockWeight
 NEW_TOKENS = 32
 
 
-def hf_with_q8_0_linears(model_dir: Path) -> nn.Module:
-    """HF's model with each linear weight (the tied LM head too, untied) as Q8_0 values."""
+def q8_0(weight: torch.Tensor) -> BlockWeight:
+    return BlockWeight.quantize_q8_0(weight, None)
+
+
+def hf_with_quantized_linears(
+    model_dir: Path, quantize: Callable[[torch.Tensor], BlockWeight] = q8_0
+) -> nn.Module:
+    """HF's model with each linear weight (the tied LM head too, untied) as the values of
+    its `quantize` blocks (Q8_0 by default)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            blocks = BlockWeight.quantize_q8_0(module.weight.data, None)
+            blocks = quantize(module.weight.data)
             module.weight = nn.Parameter(blocks.dequantize(torch.float32), requires_grad=False)
     return model
 
@@ -41,5 +49,5 @@ def test_int8_greedy_equals_hf_over_the_same_q8_0_weights(default_model_dir: Pat
         ours = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     finally:
         llm.shutdown()
-    theirs = hf_greedy_with(hf_with_q8_0_linears(default_model_dir), prompts, NEW_TOKENS)
+    theirs = hf_greedy_with(hf_with_quantized_linears(default_model_dir), prompts, NEW_TOKENS)
     assert sum(a == b for a, b in zip(ours, theirs, strict=True)) == len(PROMPTS)
