@@ -99,6 +99,7 @@ class LLM:
         max_model_len: int = 0,
         block_size: int = 16,
         kv_cache_memory: str | int = "2GiB",
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -120,7 +121,9 @@ class LLM:
         """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`;
         `speculative_config`: vLLM's dict, e.g. {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4};
-        `quantization="int8"` quantizes the weights at load (weight-only, per channel)."""
+        `quantization="int8"` quantizes the weights at load (weight-only, per channel);
+        `kv_cache_dtype="int8"` / `"fp8_e4m3"` stores K/V in 8 bits with per-token, per-head
+        scales (vLLM's --kv-cache-dtype)."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
         source = model
@@ -135,6 +138,7 @@ class LLM:
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+            cache_dtype=kv_cache_dtype,
         )
         worker_config = WorkerConfig(
             model=ModelConfig(
