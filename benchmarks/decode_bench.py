@@ -31,7 +31,7 @@ from benchmarks.report import (
     write_results,
 )
 from benchmarks.vllm_env import DEFAULT_VENV, VllmEnv, VllmUnavailable, run_job
-from services.config import ModelConfig, WorkerConfig
+from services.config import CacheConfig, ModelConfig, WorkerConfig
 from services.default_model import resolve_model
 from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
 from services.types import SamplingParams
@@ -49,9 +49,17 @@ def _prompt(i: int, n: int) -> list[int]:
 class WorkerBench:
     """Drives a Worker directly with hand-built SchedulerOutputs."""
 
-    def __init__(self, dtype: Literal["bfloat16", "float32"], quantization: str = "none") -> None:
+    def __init__(
+        self,
+        dtype: Literal["bfloat16", "float32"],
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         self.worker = Worker(
-            WorkerConfig(model=ModelConfig(dtype=dtype, quantization=quantization))
+            WorkerConfig(
+                model=ModelConfig(dtype=dtype, quantization=quantization),
+                cache=CacheConfig(cache_dtype=kv_cache_dtype),
+            )
         )
         self.worker.initialize_cache(1024)
         self.step = 0
