@@ -31,7 +31,7 @@ from benchmarks.report import (
     write_results,
 )
 from benchmarks.vllm_env import DEFAULT_VENV, VllmEnv, VllmUnavailable, run_job
-from services.config import ModelConfig, WorkerConfig
+from services.config import CacheConfig, ModelConfig, WorkerConfig
 from services.default_model import resolve_model
 from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
 from services.types import SamplingParams
@@ -50,10 +50,16 @@ class WorkerBench:
     """Drives a Worker directly with hand-built SchedulerOutputs."""
 
     def __init__(
-        self, dtype: Literal["bfloat16", "float32"], quantization: str = "none", group: int = 32
+        self,
+        dtype: Literal["bfloat16", "float32"],
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
+        group: int = 32,
     ) -> None:
         model = ModelConfig(dtype=dtype, quantization=quantization, quantization_group_size=group)
-        self.worker = Worker(WorkerConfig(model=model))
+        self.worker = Worker(
+            WorkerConfig(model=model, cache=CacheConfig(cache_dtype=kv_cache_dtype))
+        )
         self.worker.initialize_cache(1024)
         self.step = 0
 

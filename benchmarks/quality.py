@@ -5,14 +5,17 @@
 For every format (fp32: float32; bf16: the bfloat16 default; int8: bf16 activations over
 `--quantization int8` weights, Q8_0 blocks; gguf-q4_1: bf16 activations over the default
 model's GGUF file as shipped, `--quantization gguf`; int4 / int4-g128: bf16 activations over
-`--quantization int4` weights, Q4_1 blocks, one scale and offset per 32 / 128 weights):
+`--quantization int4` weights, Q4_1 blocks, one scale and offset per 32 / 128 weights;
+NAME-kv-int8 / NAME-kv-fp8: format NAME over a quantized KV cache, `--kv-cache-dtype int8` /
+`fp8_e4m3`):
 - perplexity over a fixed held-in-repo text (benchmarks/data/quality_text.txt, public domain,
   ~2,000 tokens) in windows of --window tokens, from the prompt logprobs of the offline LLM;
 - greedy agreement with HF transformers in float32: of 8 prompts, how many give the same
   first --new-tokens tokens, and the mean length of the common prefix;
 - batch-1 and batch-32 decode tokens/s of the in-process worker (decode_bench.WorkerBench),
   formats interleaved in each repeat, medians over --repeats;
-- the bytes of the weights the worker holds.
+- the bytes of the weights the worker holds;
+- for a quantized KV cache, perplexity over the same format's model-dtype cache (ppl_vs_kv_auto).
 Writes bench-results/quality.json and .md and prints the table.
 """
 
@@ -36,13 +39,17 @@ from worker_service.models.layers import Linear
 
 TEXT = Path(__file__).with_name("data") / "quality_text.txt"
 Dtype = Literal["bfloat16", "float32"]
-FORMATS: dict[str, tuple[Dtype, str]] = {
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "int8": ("bfloat16", "int8"),
-    "gguf-q4_1": ("bfloat16", "gguf"),
-    "int4": ("bfloat16", "int4"),
-    "int4-g128": ("bfloat16", "int4"),
+# name -> (dtype, --quantization, --kv-cache-dtype)
+FORMATS: dict[str, tuple[Dtype, str, str]] = {
+    "fp32": ("float32", "none", "auto"),
+    "bf16": ("bfloat16", "none", "auto"),
+    "int8": ("bfloat16", "int8", "auto"),
+    "gguf-q4_1": ("bfloat16", "gguf", "auto"),
+    "int4": ("bfloat16", "int4", "auto"),
+    "int4-g128": ("bfloat16", "int4", "auto"),
+    "fp32-kv-int8": ("float32", "none", "int8"),
+    "bf16-kv-int8": ("bfloat16", "none", "int8"),
+    "bf16-kv-fp8": ("bfloat16", "none", "fp8_e4m3"),
 }
 GROUPS = {"int4-g128": 128}  # --quantization-group-size of a format (else 32)
 PROMPTS = [
@@ -55,8 +62,9 @@ PROMPTS = [
     "The most important rule of writing clean code is",
     "In 1969, the first human landed on",
 ]
-COLUMNS = ["format", "dtype", "weights_mb", "perplexity", "ppl_vs_fp32", "greedy_equal",
-           "mean_prefix", "b1_tok_s", "b32_tok_s", "b1_vs_bf16", "b32_vs_bf16"]  # fmt: skip
+COLUMNS = ["format", "dtype", "kv_cache", "weights_mb", "perplexity", "ppl_vs_fp32",
+           "ppl_vs_kv_auto", "greedy_equal", "mean_prefix", "b1_tok_s", "b32_tok_s",
+           "b1_vs_bf16", "b32_vs_bf16"]  # fmt: skip
 
 
 def perplexity(llm: LLM, ids: list[int], window: int) -> float:
@@ -105,15 +113,18 @@ def quality(
     reference: list[list[int]],
 ) -> dict[str, Any]:  # fmt: skip
     """Perplexity of `ids` and greedy agreement on `prompts` of one format (offline LLM)."""
-    dtype, quantization = FORMATS[name]
-    llm = LLM(dtype=dtype, quantization=quantization, quantization_group_size=GROUPS.get(name, 32),
-              kv_cache_memory="256MiB", max_num_seqs=8)  # fmt: skip
+    dtype, quantization, kv = FORMATS[name]
+    llm = LLM(
+        dtype=dtype, quantization=quantization, quantization_group_size=GROUPS.get(name, 32),
+        kv_cache_dtype=kv, kv_cache_memory="256MiB", max_num_seqs=8,
+    )  # fmt: skip
     try:
         outs = greedy(llm, prompts, args.new_tokens)
         prefixes = [common_prefix(o, r) for o, r in zip(outs, reference, strict=True)]
         return {
             "format": name,
             "dtype": dtype,
+            "kv_cache": kv,
             "perplexity": perplexity(llm, ids, args.window),
             "greedy_equal": f"{sum(p == args.new_tokens for p in prefixes)}/{len(prefixes)}",
             "mean_prefix": statistics.mean(prefixes),
@@ -150,11 +161,14 @@ def speed(names: list[str], steps: int, repeats: int) -> dict[str, dict[str, flo
 def rows(
     results: list[dict[str, Any]], speeds: dict[str, dict[str, float]]
 ) -> list[dict[str, Any]]:
-    """Quality and speed per format, with ratios to fp32 perplexity and to bf16 speed."""
+    """Quality and speed per format, with ratios to fp32 perplexity and to bf16 speed, and
+    a quantized KV cache's perplexity over its format's model-dtype cache (NAME-kv-*: NAME)."""
     by_name = {r["format"]: {**r, **speeds[r["format"]]} for r in results}
     fp32, bf16 = by_name.get("fp32"), by_name.get("bf16")
-    for row in by_name.values():
+    for name, row in by_name.items():
         row["ppl_vs_fp32"] = row["perplexity"] / fp32["perplexity"] if fp32 else None
+        auto = by_name.get(name.split("-kv-")[0]) if "-kv-" in name else None
+        row["ppl_vs_kv_auto"] = row["perplexity"] / auto["perplexity"] if auto else None
         for b in ("b1", "b32"):
             row[f"{b}_vs_bf16"] = row[f"{b}_tok_s"] / bf16[f"{b}_tok_s"] if bf16 else None
     return list(by_name.values())

@@ -159,6 +159,11 @@ class ModelConfig:
         )
 
 
+# --kv-cache-dtype: "auto" keeps K/V in the model dtype; the others store each token's K and V
+# per KV head as 8-bit values with one float16 scale (worker_service.attention.kv_quant).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # "fp8" is fp8_e4m3, as in vLLM
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
@@ -173,6 +178,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Force the number of blocks (tests); 0 means decided by the memory handshake.
     num_blocks_override: int = 0
+    # vLLM's --kv-cache-dtype: one of KV_CACHE_DTYPES ("fp8" is stored as "fp8_e4m3").
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -182,6 +189,12 @@ class CacheConfig:
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         _require(self.num_blocks_override >= 0, "num_blocks_override must be >= 0")
+        _require(
+            self.cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.cache_dtype!r}",
+        )
+        if self.cache_dtype == "fp8":
+            object.__setattr__(self, "cache_dtype", "fp8_e4m3")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -251,6 +264,17 @@ class SpeculativeConfig:
     def to_json(self) -> str:
         """The flag value that parses back to this config."""
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """vLLM's --kv-cache-dtype (CacheConfig.cache_dtype), for the worker and `tessera serve`."""
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache element type: auto (the model dtype), int8 or fp8_e4m3 (fp8): 8-bit "
+        "K/V with a float16 scale per token and KV head, ~1.9x the blocks in the same memory",
+    )
 
 
 def add_speculative_arg(p: argparse.ArgumentParser) -> None:

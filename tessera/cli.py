@@ -15,7 +15,7 @@ from gateway.options import (
     limit_flags,
     media_flags,
 )
-from services.config import SpeculativeConfig, add_speculative_arg
+from services.config import SpeculativeConfig, add_kv_cache_dtype_arg, add_speculative_arg
 from services.default_model import served_name
 from services.hub import add_hub_args, hub_from_args, is_hub_id, resolve_hub_model
 from services.lora_config import add_lora_args, lora_flags
@@ -60,6 +60,7 @@ def _serve_parser(
         default="2GiB",
         help="KV pool budget on CPU, e.g. 2GiB (split evenly over data-parallel replicas)",
     )
+    add_kv_cache_dtype_arg(p)
     p.add_argument(
         "--worker-threads",
         type=int,
@@ -141,7 +142,8 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
             "--bf16-gemm", args.bf16_gemm, "--quantization", args.quantization,
             "--quantization-group-size", str(args.quantization_group_size), *(["--hf-exact-numerics"] if args.hf_exact_numerics else []),
             "--host", "127.0.0.1", "--port", str(replica.worker_port), "--block-size", str(args.block_size),
-            "--kv-cache-memory", replica.kv_cache_memory, "--max-model-len", str(args.max_model_len),
+            "--kv-cache-memory", replica.kv_cache_memory, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *common,
             "--tensor-parallel-size", str(args.tensor_parallel_size), *replica.worker_flags,

@@ -100,6 +100,7 @@ class LLM:
         max_model_len: int = 0,
         block_size: int = 16,
         kv_cache_memory: str | int = "2GiB",
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -123,7 +124,9 @@ class LLM:
         "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4};
         `quantization="int8"` / `"int4"` quantizes the weights at load (weight-only; int4 in
         groups of `quantization_group_size` = 32, 64 or 128 weights); an AWQ or GPTQ
-        checkpoint is read as it is (its config.json's quantization_config)."""
+        checkpoint is read as it is (its config.json's quantization_config).
+        `kv_cache_dtype="int8"` / `"fp8_e4m3"` stores K/V in 8 bits with per-token, per-head
+        scales (vLLM's --kv-cache-dtype)."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
         source = model
@@ -138,6 +141,7 @@ class LLM:
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+            cache_dtype=kv_cache_dtype,
         )
         worker_config = WorkerConfig(
             model=ModelConfig(

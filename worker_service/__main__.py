@@ -13,6 +13,7 @@ from services.config import (
     ParallelConfig,
     SpeculativeConfig,
     WorkerConfig,
+    add_kv_cache_dtype_arg,
     add_speculative_arg,
     parse_bytes,
 )
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kv-cache-memory", default="2GiB", help="CPU KV pool budget (e.g. 2GiB, 512MiB)"
     )
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -119,6 +121,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
             gpu_memory_utilization=args.gpu_memory_utilization,
+            cache_dtype=args.kv_cache_dtype,
         ),
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,

@@ -79,7 +79,11 @@ class ModelRunner:
         )
         self.block_size = config.cache.block_size
         self.spec = kv_cache.make_spec(
-            arch, self.block_size, self.dtype, self.model.shard.num_kv_heads
+            arch,
+            self.block_size,
+            self.dtype,
+            self.model.shard.num_kv_heads,
+            config.cache.cache_dtype,
         )
         self.input_batch = InputBatch(
             config.max_num_seqs,

@@ -55,3 +55,16 @@ def test_rows_give_ratios_to_fp32_perplexity_and_bf16_speed() -> None:
             "text_tokens": 2057, "rows": list(rows.values())}  # fmt: skip
     text = quality.table(data)
     assert "CPU: " in text and "| int8 |" in text and "2057 tokens" in text
+
+
+def test_a_quantized_kv_row_is_compared_with_its_model_dtype_cache() -> None:
+    results = [
+        {"format": "bf16", "perplexity": 20.0},
+        {"format": "bf16-kv-int8", "perplexity": 20.1},
+        {"format": "fp32-kv-int8", "perplexity": 19.0},  # its auto row is missing
+    ]
+    speeds = {str(r["format"]): {"b1_tok_s": 1.0, "b32_tok_s": 1.0} for r in results}
+    rows = {r["format"]: r for r in quality.rows(results, speeds)}
+    assert math.isclose(rows["bf16-kv-int8"]["ppl_vs_kv_auto"], 1.005)
+    assert rows["bf16"]["ppl_vs_kv_auto"] is None and rows["fp32-kv-int8"]["ppl_vs_kv_auto"] is None
+    assert quality.FORMATS["bf16-kv-fp8"] == ("bfloat16", "none", "fp8_e4m3")

@@ -118,3 +118,15 @@ def test_the_int4_group_size_reaches_the_worker() -> None:
     bad = build_parser().parse_args(["serve", "-q", "int8", "--quantization-group-size", "64"])
     with pytest.raises(ValueError, match="int4 only"):
         build_config(parsed(build_services(bad, "t")[0].argv)[1])
+
+
+@pytest.mark.parametrize("value,stored", [("int8", "int8"), ("fp8", "fp8_e4m3"), ("auto", "auto")])
+def test_kv_cache_dtype_reaches_the_worker(value: str, stored: str) -> None:
+    """`tessera serve --kv-cache-dtype VALUE` is the worker's CacheConfig.cache_dtype."""
+    from worker_service.__main__ import build_config
+
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", value])
+    worker_argv = build_services(args, "t")[0].argv
+    assert build_config(parsed(worker_argv)[1]).cache.cache_dtype == stored
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"])

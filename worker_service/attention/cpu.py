@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker_service.attention import cpu_kernel
+from worker_service.attention import cpu_kernel, kv_quant
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.attention.reference import ReferenceAttentionBackend
 
@@ -85,6 +85,10 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        if kv_quant.is_quantized(k_cache):
+            kv_quant.write(key, k_cache, slot_mapping)
+            kv_quant.write(value, v_cache, slot_mapping)
+            return
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
@@ -133,10 +137,10 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         n, heads = query.shape[0], query.shape[1]
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        kv_heads, head_dim = k_cache.shape[2], query.shape[2]
         flat = group.block_table.view(-1)  # [n * blocks]
-        k = k_cache.index_select(0, flat).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
-        v = v_cache.index_select(0, flat).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
+        k = _gather(k_cache, flat, query.dtype).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
+        v = _gather(v_cache, flat, query.dtype).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
         if not self.fold_gqa:
             out = F.scaled_dot_product_attention(
                 query.unsqueeze(2),  # [n, heads, 1, head_dim]
@@ -166,9 +170,9 @@ class CpuAttentionBackend(AttentionBackend):
         p: _Prefill,
         scale: float,
     ) -> torch.Tensor:
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k = k_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.seq_len]
-        v = v_cache.index_select(0, p.blocks).view(-1, kv_heads, head_dim)[: p.seq_len]
+        kv_heads, head_dim = k_cache.shape[2], query.shape[2]
+        k = _gather(k_cache, p.blocks, query.dtype).view(-1, kv_heads, head_dim)[: p.seq_len]
+        v = _gather(v_cache, p.blocks, query.dtype).view(-1, kv_heads, head_dim)[: p.seq_len]
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # [1, heads, query_len, head_dim]
             k.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
@@ -189,6 +193,17 @@ class CpuAttentionBackend(AttentionBackend):
         if plan is None:
             plan = self._plans[window] = build_plan(meta, block_size, use_kernel, window)
         return plan
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, slot width]
+    blocks: torch.Tensor,  # [n] block ids
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [n, block_size, kv_heads, head_dim] of dtype
+    """The blocks `blocks` of a pool, dequantized to `dtype` when the pool is quantized."""
+    if not kv_quant.is_quantized(cache):
+        return cache.index_select(0, blocks)
+    return kv_quant.dequantize(kv_quant.index_select(cache, blocks), dtype)
 
 
 def build_plan(

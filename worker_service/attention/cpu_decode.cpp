@@ -4,7 +4,9 @@
 //
 // Layouts (row-major, elements):
 //   query, out   [num_tokens, heads, head_dim]; rows[i] is request i's token row
-//   k/v cache    [num_blocks, block_size, kv_heads, head_dim]
+//   k/v cache    [num_blocks, block_size, kv_heads, head_dim] in the query's type, or
+//                quantized (int8 / float8 e4m3fn, kv_quant.h): [.., head_dim + 2], each head
+//                row's values then its half scale; scores and weights take the scales per row
 //   block_table  [num_reqs_in_step, table_stride] int32; seq_lens [num_reqs_in_step] int32
 // Query head h attends with KV head h / (heads / kv_heads), as HF's repeat_kv. Scores,
 // softmax and the weighted sum are float32; bf16 inputs are widened exactly and the output
@@ -22,6 +24,7 @@
 
 #include "../models/bf16.h"
 #include "cpu_simd.h"
+#include "kv_quant.h"
 
 // glibc's vector expf (libmvec): lets the softmax loop vectorize without -ffast-math.
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
@@ -184,6 +187,17 @@ inline void softmax(float* scores, int64_t n) {
   for (int64_t t = 0; t < n; ++t) scores[t] *= inv;
 }
 
+// A quantized cache: x[g * stride + o] *= the scale of row o (of n from slot first_slot) of
+// one KV head, for each of the group's query heads g (scores of K rows, weights of V rows).
+template <typename C>
+inline void apply_scales(const C* head, int64_t first_slot, int64_t n, int64_t slot_stride,
+                         int64_t dim, int64_t group, float* x, int64_t stride) {
+  for (int64_t o = 0; o < n; ++o) {
+    const float scale = row_scale(head + (first_slot + o) * slot_stride, dim);
+    for (int64_t g = 0; g < group; ++g) x[g * stride + o] *= scale;
+  }
+}
+
 // Asks for the rows of one KV head in the request's next block while this one is read
 // (the pool's blocks are scattered, so the hardware prefetcher cannot guess them).
 template <typename T, int64_t Dim>
@@ -199,14 +213,15 @@ inline void prefetch_block(const T* head, const int32_t* blocks, int64_t b, int6
 // One request, one KV head: its `group` query heads attend over seq_len tokens (the last
 // s.window of them with a sliding window: blocks before it are skipped, earlier tokens of
 // its first block get a zero weight), a block at a time. Dim is head_dim when known at
-// compile time (loops then unroll), else 0.
-template <typename T, int64_t Dim>
-void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* blocks,
+// compile time (loops then unroll), else 0. T: the query's and output's type, C: the cache's.
+template <typename T, typename C, int64_t Dim>
+void attend(const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* blocks,
             int64_t seq_len, int64_t kv_head, const Shape& s, float scale, Scratch& w) {
   const int64_t group = s.heads / s.kv_heads, dim = Dim ? Dim : s.head_dim;
-  const int64_t bs = s.block_size, slot_stride = s.kv_heads * dim;
-  const T* k_head = k_cache + kv_head * dim;
-  const T* v_head = v_cache + kv_head * dim;
+  const int64_t row = dim + kScaleElems<C>;  // elements of one slot's head row
+  const int64_t bs = s.block_size, slot_stride = s.kv_heads * row;
+  const C* k_head = k_cache + kv_head * row;
+  const C* v_head = v_cache + kv_head * row;
   const int64_t num_blocks = (seq_len + bs - 1) / bs;
   w.reserve(group, dim, bs, seq_len);
   for (int64_t i = 0; i < group * dim; ++i) w.q[i] = widen(q[kv_head * group * dim + i]) * scale;
@@ -215,19 +230,25 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
 
   for (int64_t start = b0 * bs, b = b0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
+    bool scored = false;
 #if TESSERA_SIMD
     if constexpr (Dim > 0 && Dim % Simd::W == 0) {
-      prefetch_block<T, Dim>(k_head, blocks, b, num_blocks, bs, slot_stride);
+      prefetch_block<C, Dim>(k_head, blocks, b, num_blocks, bs, slot_stride);
       for (int64_t o = 0; o < n; o += Simd::W)
-        score_rows<T, Dim>(w.q, group, k_head, int64_t(blocks[b]) * bs + o,
+        score_rows<C, Dim>(w.q, group, k_head, int64_t(blocks[b]) * bs + o,
                            std::min(Simd::W, n - o), slot_stride, w.parts,
                            w.scores + start + o, seq_len);
-      continue;
+      scored = true;
     }
 #endif
-    widen_rows<T, Dim>(k_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, w.rows);
-    for (int64_t g = 0; g < group; ++g)
-      dot_rows<Dim>(w.q + g * dim, w.rows, n, dim, w.scores + g * seq_len + start);
+    if (!scored) {
+      widen_rows<C, Dim>(k_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, w.rows);
+      for (int64_t g = 0; g < group; ++g)
+        dot_rows<Dim>(w.q + g * dim, w.rows, n, dim, w.scores + g * seq_len + start);
+    }
+    if constexpr (kQuantized<C>)
+      apply_scales(k_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, group,
+                   w.scores + start, seq_len);
   }
   for (int64_t g = 0; g < group; ++g) {
     float* row = w.scores + g * seq_len;
@@ -238,15 +259,18 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   std::fill(w.acc, w.acc + group * dim, 0.f);
   for (int64_t start = b0 * bs, b = b0; start < seq_len; start += bs, ++b) {
     const int64_t n = std::min(bs, seq_len - start);
+    if constexpr (kQuantized<C>)  // the weights of this block's rows take their V scales
+      apply_scales(v_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, group,
+                   w.scores + start, seq_len);
 #if TESSERA_SIMD
     if constexpr (Dim > 0 && Dim % Simd::W == 0) {
-      prefetch_block<T, Dim>(v_head, blocks, b, num_blocks, bs, slot_stride);
-      if (weigh_block_any<T, Dim>(w.scores + start, seq_len, group, v_head,
+      prefetch_block<C, Dim>(v_head, blocks, b, num_blocks, bs, slot_stride);
+      if (weigh_block_any<C, Dim>(w.scores + start, seq_len, group, v_head,
                                   int64_t(blocks[b]) * bs, n, slot_stride, w.acc))
         continue;
     }
 #endif
-    widen_rows<T, Dim>(v_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, w.rows);
+    widen_rows<C, Dim>(v_head, int64_t(blocks[b]) * bs, n, slot_stride, dim, w.rows);
     for (int64_t g = 0; g < group; ++g)
       weigh_rows<Dim>(w.scores + g * seq_len + start, w.rows, n, dim, w.acc + g * dim);
   }
@@ -254,8 +278,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
   for (int64_t i = 0; i < group * dim; ++i) store(w.acc[i], out + kv_head * group * dim + i);
 }
 
-template <typename T, int64_t Dim>
-void decode(const T* query, const T* k_cache, const T* v_cache, T* out,
+template <typename T, typename C, int64_t Dim>
+void decode(const T* query, const C* k_cache, const C* v_cache, T* out,
             const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
             const int64_t* reqs, const int64_t* rows, int64_t num_decode, const Shape& s,
             float scale, int num_threads) {
@@ -267,20 +291,20 @@ void decode(const T* query, const T* k_cache, const T* v_cache, T* out,
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t i = task / s.kv_heads, kv_head = task % s.kv_heads, req = reqs[i];
-      attend<T, Dim>(query + rows[i] * row_stride, k_cache, v_cache, out + rows[i] * row_stride,
+      attend<T, C, Dim>(query + rows[i] * row_stride, k_cache, v_cache, out + rows[i] * row_stride,
              block_table + req * table_stride, seq_lens[req], kv_head, s, scale, w);
     }
   }
 }
 
 // The common head sizes get unrolled code; any other runs the generic loops.
-template <typename T>
-void dispatch(const T* query, const T* k_cache, const T* v_cache, T* out,
+template <typename T, typename C>
+void dispatch(const T* query, const C* k_cache, const C* v_cache, T* out,
               const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
               const int64_t* reqs, const int64_t* rows, int64_t num_decode, const Shape& s,
               float scale, int num_threads) {
   auto run = [&](auto dim) {
-    decode<T, decltype(dim)::value>(query, k_cache, v_cache, out, block_table, table_stride,
+    decode<T, C, decltype(dim)::value>(query, k_cache, v_cache, out, block_table, table_stride,
                                     seq_lens, reqs, rows, num_decode, s, scale, num_threads);
   };
   if (s.head_dim == 64)
@@ -291,11 +315,35 @@ void dispatch(const T* query, const T* k_cache, const T* v_cache, T* out,
     run(std::integral_constant<int64_t, 0>{});
 }
 
+// The cache read as C (the query's type T, or a quantized one), for one query type T.
+template <typename T>
+int dispatch_cache(int cache_dtype, const T* query, const void* k_cache, const void* v_cache,
+                   T* out, const int32_t* block_table, int64_t table_stride,
+                   const int32_t* seq_lens, const int64_t* reqs, const int64_t* rows,
+                   int64_t num_decode, const Shape& s, float scale, int num_threads) {
+  auto run = [&](auto* cache) {
+    using C = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
+    dispatch<T, C>(query, static_cast<const C*>(k_cache), static_cast<const C*>(v_cache), out,
+                   block_table, table_stride, seq_lens, reqs, rows, num_decode, s, scale,
+                   num_threads);
+  };
+  if (cache_dtype == 0)
+    run(static_cast<const T*>(nullptr));
+  else if (cache_dtype == 2)
+    run(static_cast<const int8_t*>(nullptr));
+  else if (cache_dtype == 3)
+    run(static_cast<const Fp8E4M3*>(nullptr));
+  else
+    return 4;
+  return 0;
+}
+
 }  // namespace
 
-// dtype: 0 float32, 1 bfloat16 (query, caches and out share it). reqs[i] indexes
-// block_table / seq_lens; rows[i] is that request's token row in query and out.
-extern "C" int tessera_paged_decode(int dtype, const void* query, const void* k_cache,
+// dtype: 0 float32, 1 bfloat16 (query and out share it); cache_dtype: 0 the same, 2 int8,
+// 3 float8 e4m3fn (quantized, with scales). reqs[i] indexes block_table / seq_lens; rows[i]
+// is that request's token row in query and out.
+extern "C" int tessera_paged_decode(int dtype, int cache_dtype, const void* query, const void* k_cache,
                                     const void* v_cache, void* out, const int32_t* block_table,
                                     int64_t table_stride, const int32_t* seq_lens,
                                     const int64_t* reqs, const int64_t* rows, int64_t num_decode,
@@ -307,12 +355,10 @@ extern "C" int tessera_paged_decode(int dtype, const void* query, const void* k_
   const Shape s{heads, kv_heads, head_dim, block_size, window};
   if (dtype != 0 && dtype != 1) return 2;
   if (dtype == 0)
-    dispatch(static_cast<const float*>(query), static_cast<const float*>(k_cache),
-             static_cast<const float*>(v_cache), static_cast<float*>(out), block_table,
-             table_stride, seq_lens, reqs, rows, num_decode, s, scale, num_threads);
-  else
-    dispatch(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(k_cache),
-             static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), block_table,
-             table_stride, seq_lens, reqs, rows, num_decode, s, scale, num_threads);
-  return 0;
+    return dispatch_cache(cache_dtype, static_cast<const float*>(query), k_cache, v_cache,
+                          static_cast<float*>(out), block_table, table_stride, seq_lens, reqs,
+                          rows, num_decode, s, scale, num_threads);
+  return dispatch_cache(cache_dtype, static_cast<const uint16_t*>(query), k_cache, v_cache,
+                        static_cast<uint16_t*>(out), block_table, table_stride, seq_lens, reqs,
+                        rows, num_decode, s, scale, num_threads);
 }

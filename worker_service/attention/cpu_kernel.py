@@ -24,9 +24,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Quantized pools the kernel reads (kv_quant): the cache_dtype codes; 0 = the query's dtype.
+CACHE_DTYPES = {torch.int8: 2, torch.float8_e4m3fn: 3}
 
 _ARGTYPES: list[Any] = [
     ctypes.c_int,  # dtype
+    ctypes.c_int,  # cache_dtype
     *[ctypes.c_void_p] * 5,  # query, k_cache, v_cache, out, block_table
     ctypes.c_int64,  # table_stride
     *[ctypes.c_void_p] * 3,  # seq_lens, reqs, rows
@@ -40,10 +43,15 @@ _ARGTYPES: list[Any] = [
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None when this machine cannot build it."""
     try:
-        lib = native.build(SOURCE)
+        return build()
     except (OSError, subprocess.CalledProcessError) as exc:
         log.warning("CPU decode kernel unavailable (%s); using SDPA for decode", exc)
         return None
+
+
+def build(level: str | None = None) -> ctypes.CDLL:
+    """The kernel built for CPU `level` (native.compile_flags; None: this CPU's), typed."""
+    lib = native.build(SOURCE, level)
     lib.tessera_paged_decode.argtypes = _ARGTYPES
     lib.tessera_paged_decode.restype = ctypes.c_int
     return lib
@@ -68,7 +76,7 @@ class DecodeBatch:
 def paged_decode(
     lib: ctypes.CDLL,
     query: torch.Tensor,  # [num_tokens, heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim (+ 2 quantized)]
     v_cache: torch.Tensor,
     out: torch.Tensor,  # [num_tokens, heads, head_dim], written at `batch.rows`
     batch: DecodeBatch,
@@ -76,13 +84,17 @@ def paged_decode(
     window: int = 0,
 ) -> None:
     """out[rows[i]] = attention of query[rows[i]] over request reqs[i]'s cached K/V (its last
-    `window` tokens with a sliding window; 0: all)."""
+    `window` tokens with a sliding window; 0: all). The pools are in the query's dtype or
+    quantized (CACHE_DTYPES, values and scales per slot's head row)."""
     for t in (query, k_cache, v_cache, out):
-        assert t.is_contiguous() and t.device.type == "cpu" and t.dtype == query.dtype
-    _, block_size, kv_heads, head_dim = k_cache.shape
+        assert t.is_contiguous() and t.device.type == "cpu"
+    assert out.dtype == query.dtype and k_cache.dtype == v_cache.dtype
+    cache_dtype = 0 if k_cache.dtype == query.dtype else CACHE_DTYPES[k_cache.dtype]
+    _, block_size, kv_heads, _ = k_cache.shape
+    head_dim = query.shape[2]
     b = batch
     status = lib.tessera_paged_decode(
-        DTYPES[query.dtype],
+        DTYPES[query.dtype], cache_dtype,
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         b.block_table.data_ptr(), b.block_table.shape[1], b.seq_lens.data_ptr(),
         b.reqs.data_ptr(), b.rows.data_ptr(), b.reqs.shape[0],

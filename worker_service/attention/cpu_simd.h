@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kv_quant.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define TESSERA_SIMD 1
@@ -18,6 +20,18 @@ struct Simd {
   static V load(const uint16_t* p) {  // W bf16 widened exactly
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static V load(const int8_t* p) {  // W int8 widened exactly (quantized KV)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  }
+  static V load(const Fp8E4M3* p) {  // W float8 e4m3fn widened exactly, as widen(Fp8E4M3)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m512i x = _mm512_cvtepu8_epi32(raw);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20);
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(sign, mag)),
+                         _mm512_set1_ps(0x1p120f));
   }
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }

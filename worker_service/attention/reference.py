@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from worker_service.attention import kv_quant
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
-
-
-def flat_pool(cache: torch.Tensor) -> torch.Tensor:
-    """View a `[num_blocks, block_size, kv_heads, head_dim]` pool as `[num_slots, kv_heads,
-    head_dim]` without copying (writes through the view land in the pool)."""
-    if not cache.is_contiguous():
-        raise ValueError("the KV pool must be contiguous")
-    num_blocks, block_size, kv_heads, head_dim = cache.shape
-    return cache.view(num_blocks * block_size, kv_heads, head_dim)
+from worker_service.attention.kv_quant import flat_pool
 
 
 def request_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -77,8 +70,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         """Store each token's K/V at its slot; tokens with a negative slot (padding) are skipped."""
         keep = slot_mapping >= 0  # [num_tokens]
         slots = slot_mapping[keep].long()
-        flat_pool(k_cache).index_copy_(0, slots, key[keep].to(k_cache.dtype))
-        flat_pool(v_cache).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+        kv_quant.write(key[keep], k_cache, slots)  # quantized first in a quantized pool
+        kv_quant.write(value[keep], v_cache, slots)
 
     def forward(
         self,
@@ -99,8 +92,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         ):
             slots = request_slots(meta.block_table[i], seq_len, block_size)  # [seq_len]
             rows = slice(start, start + q_len)
-            out[rows] = causal_attention(
-                query[rows], flat_k[slots], flat_v[slots], scale, window, softcap
-            )
+            k = kv_quant.as_model_dtype(kv_quant.index_select(flat_k, slots), query.dtype)
+            v = kv_quant.as_model_dtype(kv_quant.index_select(flat_v, slots), query.dtype)
+            out[rows] = causal_attention(query[rows], k, v, scale, window, softcap)
             start += q_len
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_service.attention import triton_kernels
+from worker_service.attention import kv_quant, triton_kernels
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -13,7 +13,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     Expects CUDA tensors (or CPU tensors when the kernels were built under
     TRITON_INTERPRET=1). Query, K/V and the pools share one dtype (float32, float16 or
-    bfloat16); every tensor's last dimension must be contiguous; num_heads must be a
+    bfloat16), or the pools are quantized (int8 / float8_e4m3fn with scales, kv_quant); every tensor's last dimension must be contiguous; num_heads must be a
     multiple of num_kv_heads. Metadata used: query_start_loc, seq_lens, block_table,
     slot_mapping (write_kv) and max_query_len; nothing is read back to the host.
     """
@@ -31,7 +31,11 @@ class TritonAttentionBackend(AttentionBackend):
         """Store each token's K/V at its slot; tokens with a negative slot (padding) are skipped."""
         _check_device(key, k_cache, v_cache)
         _check_inner_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
-        _check_same_dtype(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+        if kv_quant.is_quantized(k_cache):
+            _check_same_dtype(key=key, value=value)
+            _check_same_dtype(k_cache=k_cache, v_cache=v_cache)
+        else:
+            _check_same_dtype(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
         triton_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(
@@ -46,7 +50,12 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         _check_device(query, k_cache, v_cache)
         _check_inner_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
-        _check_same_dtype(query=query, k_cache=k_cache, v_cache=v_cache)
+        if kv_quant.is_quantized(k_cache):  # 8-bit pools with scales (kv_quant)
+            _check_same_dtype(k_cache=k_cache, v_cache=v_cache)
+            if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+                raise ValueError("a quantized KV pool must be contiguous")
+        else:
+            _check_same_dtype(query=query, k_cache=k_cache, v_cache=v_cache)
         if query.shape[1] % k_cache.shape[2] != 0:
             raise ValueError(
                 f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}"

@@ -13,7 +13,12 @@ Paged attention, one program per (query block, kv head):
   sees keys 0..that position (the cached prefix plus the new tokens up to itself);
 - keys are visited in tiles of TILE_N positions; each position's block id comes from the
   block table, so any block size works and a tile may span several blocks;
-- softmax is online (running max and sum, base-2 exponentials) in float32.
+- softmax is online (running max and sum, base-2 exponentials) in float32;
+- a quantized pool (KV_QUANT, attention.kv_quant: int8 or float8 e4m3 values, then a
+  float16 scale per slot and head in the last two elements of each head row) is read as
+  its values widened to the query dtype (exact) with the scales applied to each key's
+  scores and to each value's weights; float8 is decoded from its bits, so any GPU (and the
+  interpreter) reads it.
 
 Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when this module is first
 imported: with TRITON_INTERPRET=1 set before that, the kernels run on CPU tensors through
@@ -26,6 +31,10 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from worker_service.attention import kv_quant
+
+_KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2}  # the kernel's KV_QUANT per pool dtype
 
 
 @triton.jit
@@ -69,6 +78,17 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _widen(x, KV_QUANT: tl.constexpr):
+    """Values of a quantized pool as float32: int8 as they are (KV_QUANT 1), float8 e4m3fn
+    from their bits (2): the 7 magnitude bits under float32's exponent, times 2^(127 - 7)."""
+    if KV_QUANT == 2:
+        bits = x.to(tl.int32) & 0xFF
+        f = (((bits & 0x80) << 24) | ((bits & 0x7F) << 20)).to(tl.float32, bitcast=True)
+        return f * 1.329227995784916e36  # 2^120
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
     """The request owning packed query block `q_block`: request i's blocks start at
     query_start_loc[i] // BLOCK_Q + i, so this is the last i whose start is <= q_block."""
@@ -88,8 +108,10 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 2 quantized)]
     v_cache_ptr,
+    k_scale_ptr,  # quantized: the K pool as float16 [.., width / 2]; scale at HEAD_DIM / 2
+    v_scale_ptr,
     block_table_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
@@ -105,6 +127,12 @@ def _paged_attention_kernel(
     stride_vc_b,
     stride_vc_s,
     stride_vc_h,
+    stride_ks_b,  # the scale views' strides (float16 elements)
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
     stride_bt,
     window,  # sliding window (read only when SLIDING): q_pos - kv_pos < window
     softcap,  # score soft-capping (read only when SOFTCAP): softcap * tanh(score / softcap)
@@ -119,6 +147,7 @@ def _paged_attention_kernel(
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the interpreter's bf16 dot is wrong)
     SLIDING: tl.constexpr,  # a sliding window (else every earlier key is seen)
     SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
+    KV_QUANT: tl.constexpr,  # 0: pools in the query dtype; 1: int8, 2: float8 e4m3 (+ scales)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,9 +196,17 @@ def _paged_attention_kernel(
             k = tl.load(
                 k_cache_ptr + k_offs, mask=dim_valid[:, None] & kv_valid[None, :], other=0.0
             )
+            if KV_QUANT:
+                k = _widen(k, KV_QUANT).to(query_ptr.dtype.element_ty)
             if DOT_IN_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+            if KV_QUANT:  # each key's scale
+                ks_offs = (
+                    block_id * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
+                )  # [TILE_N]
+                k_scale = tl.load(k_scale_ptr + ks_offs + HEAD_DIM // 2, mask=kv_valid, other=0.0)
+                s = s * k_scale.to(tl.float32)[None, :]
             if SOFTCAP:  # on the natural-log scores: tanh(x) = 2 / (1 + exp(-2x)) - 1
                 x = s * (0.6931471805599453 / softcap)  # score / softcap (s is in log2 units)
                 s = (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0) * (softcap * 1.4426950408889634)
@@ -191,7 +228,13 @@ def _paged_attention_kernel(
             v = tl.load(
                 v_cache_ptr + v_offs, mask=kv_valid[:, None] & dim_valid[None, :], other=0.0
             )
-            p_cast = p.to(v_cache_ptr.dtype.element_ty)  # probabilities in the KV dtype
+            if KV_QUANT:  # values widened; each one's scale goes on its weights
+                v = _widen(v, KV_QUANT).to(query_ptr.dtype.element_ty)
+                vs_offs = block_id * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
+                v_scale = tl.load(v_scale_ptr + vs_offs + HEAD_DIM // 2, mask=kv_valid, other=0.0)
+                p_cast = (p * v_scale.to(tl.float32)[None, :]).to(query_ptr.dtype.element_ty)
+            else:
+                p_cast = p.to(v_cache_ptr.dtype.element_ty)  # probabilities in the KV dtype
             if DOT_IN_FP32:
                 v = v.to(tl.float32)
                 p_cast = p_cast.to(tl.float32)
@@ -219,10 +262,16 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Launch the slot writer: one program per token; negative slots are skipped."""
+    """Launch the slot writer: one program per token; negative slots are skipped. A
+    quantized pool gets each row quantized first (torch), copied as bytes."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if kv_quant.is_quantized(k_cache):
+        key = kv_quant.quantize(key, k_cache.dtype).view(torch.uint8)
+        value = kv_quant.quantize(value, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        head_dim = key.shape[2]
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -270,6 +319,12 @@ def paged_attention(
     num_reqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    quant = _KV_QUANT.get(k_cache.dtype, 0)
+    # quantized: the pools' float16 views (their scales), and float8 values read as bytes
+    k_scale = k_cache.view(torch.float16) if quant else k_cache
+    v_scale = v_cache.view(torch.float16) if quant else v_cache
+    if quant == 2:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     block_m = block_m_for(max_query_len, group)
     block_q = block_m // group
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
@@ -278,6 +333,8 @@ def paged_attention(
         query,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         block_table,
         seq_lens,
         query_start_loc,
@@ -289,6 +346,8 @@ def paged_attention(
         out.stride(1),
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
+        *(k_scale.stride()[:3] if quant else (0, 0, 0)),
+        *(v_scale.stride()[:3] if quant else (0, 0, 0)),
         block_table.stride(0),
         window,
         softcap,
@@ -303,4 +362,5 @@ def paged_attention(
         DOT_IN_FP32=interpreted() and query.dtype == torch.bfloat16,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
+        KV_QUANT=quant,
     )
