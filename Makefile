@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench bench-quick bench-dp soak clean compose-check
+.PHONY: install proto model test test-fast lint serve bench bench-quick bench-dp soak clean compose-check config-doc
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
+
+# docs/configuration.md is generated from the config dataclasses and the services' parsers.
+config-doc: $(PB_STAMP)
+	$(PY) -m tessera.config_doc
 
 # Python stubs are generated from protos/ and never edited by hand.
 proto: $(STAMP)

@@ -18,7 +18,7 @@ from services.security import API_KEY_ENV, add_security_args, security_from_args
 from services.tracing import add_observability_args, init_tracing, observability_from_args
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     p.add_argument(
         "--scheduler",
@@ -77,7 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_lora_args(p)
     add_security_args(p)  # the gateway's channel to the scheduler
     add_observability_args(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:

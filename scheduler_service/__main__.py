@@ -24,7 +24,7 @@ from services.tracing import add_observability_args, init_tracing, observability
 log = logging.getLogger("scheduler_service")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m scheduler_service",
         description="Tessera scheduler: the EngineCore gRPC service (continuous batching, "
@@ -93,7 +93,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_security_args(p)
     add_lora_args(p)
     add_observability_args(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:

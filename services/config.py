@@ -215,6 +215,7 @@ class SpeculativeConfig:
     # ngram: shortest and longest suffix looked up earlier in the request's tokens; 0 = unset:
     # as vLLM, one given stands for both, neither means 5.
     prompt_lookup_min: int = 0
+    # ngram: the longest suffix looked up (see prompt_lookup_min).
     prompt_lookup_max: int = 0
     # draft_model: the draft model's HF directory.
     model: str = ""
@@ -433,6 +434,7 @@ class GatewayConfig:
     hub: HubConfig = field(default_factory=HubConfig)
     # Name clients must use in "model"; empty means what the scheduler reports.
     served_model_name: str = ""
+    # Address the HTTP and gRPC text APIs listen on.
     host: str = "127.0.0.1"
     # HTTP port of the OpenAI API.
     port: int = 8000
@@ -460,6 +462,7 @@ class GatewayConfig:
     limit_images_per_prompt: int = 8
     # Largest encoded image, in bytes, and largest width * height: a bound on decode cost.
     max_image_bytes: int = 20 << 20
+    # Largest decoded image, width * height.
     max_image_pixels: int = 4096 * 4096
     # Hosts http(s) image URLs may come from (and their subdomains); empty: remote URLs off.
     allowed_media_domains: tuple[str, ...] = ()

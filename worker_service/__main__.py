@@ -30,7 +30,7 @@ from worker_service.server import build_server
 log = logging.getLogger("worker_service")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m worker_service", description=__doc__)
     p.add_argument(
         "--model",
@@ -39,35 +39,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_hub_args(p)
     p.add_argument("--served-model-name", default="", help="name reported in ModelInfo")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "float16"],
+        help="weights and activations: bfloat16 (fast) or float32 (exact)",
+    )
     add_kernel_args(p)
     add_runner_args(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--port", type=int, default=50061, help="gRPC port (0: pick a free one)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--kv-cache-memory", default="2GiB", help="CPU KV pool budget (e.g. 2GiB, 512MiB)"
     )
     add_kv_cache_dtype_arg(p)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "triton", "cpu", "reference"]
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="GPU: fraction of device memory for weights, activations and the KV pool",
+    )
+    p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="largest step the runner prepares for (tokens)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "triton", "cpu", "reference"],
+        help="auto: triton on CUDA, cpu otherwise",
     )
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0: all cores")
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the generator shared by unseeded requests"
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_speculative_arg(p)
     add_security_args(p)
     add_parallel_args(p)
     add_lora_args(p)
     add_observability_args(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
