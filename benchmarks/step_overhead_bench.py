@@ -1,7 +1,7 @@
 """Scheduler + gRPC overhead per engine step: everything except the forward.
 
     python -m benchmarks.step_overhead_bench [--running 32 256] [--steps 300] [--repeat 3]
-                                             [--legacy]
+                                             [--compare EARLIER.json]
 
 Three processes, as in production: an instant fake worker (one token per
 sampling request, no model) behind the real Worker gRPC service
@@ -10,9 +10,7 @@ EngineCore gRPC service with the real GrpcWorkerClient; and a client process
 holding N concurrent long generations through the gateway's EngineClient (one
 multiplexed GenerateStream call), so N requests run every step. The engine
 schedules asynchronously and talks to the worker over its ExecuteModelStream.
-`--legacy` also runs, in the same run and shown as the "before" columns, the
-transport this replaced: one Generate call per request, a unary ExecuteModel
-per step and synchronous scheduling.
+`--compare` shows an earlier run's step_overhead.json as the "before" columns.
 
 Per engine-loop iteration it times, on the engine thread: schedule(),
 SchedulerOutput -> proto, the time blocked waiting for the worker's reply
@@ -48,8 +46,6 @@ from scheduler_service.service import EngineCoreServer
 from scheduler_service.worker_client import GrpcWorkerClient
 from scheduler_service.worker_stream import StreamStep
 from services.config import CacheConfig, SchedulerConfig
-from services.convert import from_proto, to_proto
-from services.pb import worker_pb2
 from services.step_types import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -122,33 +118,13 @@ class StepRecorder:
 
 
 class TimedWorkerClient(GrpcWorkerClient):
-    """GrpcWorkerClient that reports encode / wait / decode times to a recorder.
-
-    `unary`: run each step as a unary ExecuteModel call (the legacy transport).
-    """
+    """GrpcWorkerClient that reports each stream step's wait to a recorder."""
 
     recorder: StepRecorder | None = None
-    unary = False
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> Any:
         handle = super().submit_model(scheduler_output)
         return handle if self.recorder is None else _TimedStep(handle, self.recorder)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        rec = self.recorder
-        if rec is None or not self.unary:
-            return super().execute_model(scheduler_output)
-        t0 = time.perf_counter()
-        request = to_proto(scheduler_output, worker_pb2.SchedulerOutput)
-        t1 = time.perf_counter()
-        reply = self._call(self._stub.ExecuteModel, request, self.step_timeout_s)
-        t2 = time.perf_counter()
-        output = from_proto(reply, ModelRunnerOutput)
-        rec.add("encode", t1 - t0)
-        rec.add("decode", time.perf_counter() - t2)
-        rec.add("rpc", time.perf_counter() - t1)
-        rec.note_output(output, scheduler_output)
-        return output
 
 
 class _TimedStep:
@@ -199,7 +175,7 @@ def instrument(server: EngineCoreServer, client: TimedWorkerClient) -> StepRecor
 Run = tuple[list[dict[str, float]], dict[str, float]]  # (steady steps, delivery figures)
 
 
-async def run_scenario(num_running: int, steps: int, legacy: bool = False) -> Run:
+async def run_scenario(num_running: int, steps: int) -> Run:
     """One run: start the three parts, record `steps` steady decode steps, tear down."""
     ctx = mp.get_context("spawn")
     num_blocks = num_running * (PROMPT_LEN + steps * 4 + 2000) // BLOCK_SIZE + 64
@@ -208,15 +184,14 @@ async def run_scenario(num_running: int, steps: int, legacy: bool = False) -> Ru
     worker.start()
     address = f"127.0.0.1:{await asyncio.to_thread(worker_conn.recv)}"
     client = TimedWorkerClient(address)
-    client.unary = legacy
-    config = SchedulerConfig(max_num_seqs=max(num_running, 256), async_scheduling=not legacy)
+    config = SchedulerConfig(max_num_seqs=max(num_running, 256))
     engine = await asyncio.to_thread(EngineCore, config, CacheConfig(), [client])
     server = EngineCoreServer("127.0.0.1:0", engine)
     await server.start()
     recorder = instrument(server, client)
     undo = _timed_conversions(recorder)
     client_conn, client_end = ctx.Pipe()
-    args = (client_end, f"127.0.0.1:{server.port}", num_running, steps * 4 + 2000, legacy)
+    args = (client_end, f"127.0.0.1:{server.port}", num_running, steps * 4 + 2000)
     clients = ctx.Process(target=client_process, args=args, daemon=True)
     clients.start()
     try:
@@ -326,27 +301,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per scenario (best kept)")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     parser.add_argument("--compare", help="an earlier step_overhead.json to show as 'before'")
-    parser.add_argument(
-        "--legacy",
-        action="store_true",
-        help="also run the old transport (Generate per request, unary ExecuteModel, sync "
-        "scheduling) in this run, interleaved with the new one, as the 'before' columns",
-    )
     args = parser.parse_args(argv)
     results: dict[int, dict[str, Any]] = {}
-    legacy: dict[str, Any] = {}
     for n in args.running:
-        runs, old_runs = [], []
-        for _ in range(args.repeat):  # interleaved, so both see the same machine load
-            if args.legacy:
-                old_runs.append(asyncio.run(run_scenario(n, args.steps, legacy=True)))
-            runs.append(asyncio.run(run_scenario(n, args.steps)))
-        results[n] = best_of(runs)
-        if old_runs:
-            legacy[str(n)] = best_of(old_runs)
-    compare = legacy or None
-    if args.compare:
-        compare = json.loads(Path(args.compare).read_text())["results"]
+        results[n] = best_of([asyncio.run(run_scenario(n, args.steps)) for _ in range(args.repeat)])
+    compare = json.loads(Path(args.compare).read_text())["results"] if args.compare else None
     report(results, compare, Path(args.out_dir))
 
 

@@ -1,6 +1,6 @@
 """The two helper processes of the step-overhead benchmark: an instant fake worker behind
 the real Worker gRPC service, and a client holding N concurrent generations (through the
-gateway's EngineClient, or with the legacy one Generate call per request)."""
+gateway's EngineClient, one multiplexed GenerateStream call)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gateway.engine_client import EngineClient
-from services.convert import to_proto
-from services.grpc_utils import aio_channel
-from services.pb import engine_pb2, engine_pb2_grpc, worker_pb2
+from services.pb import worker_pb2
 from services.step_types import (
     KVCacheSpec,
     ModelInfo,
@@ -108,9 +106,7 @@ def worker_process(conn: Connection, num_blocks: int) -> None:
 # ---- the client process -------------------------------------------------------
 
 
-def client_process(
-    conn: Connection, address: str, num_requests: int, max_tokens: int, legacy: bool = False
-) -> None:
+def client_process(conn: Connection, address: str, num_requests: int, max_tokens: int) -> None:
     """Hold `num_requests` generations until told to stop; then send (tokens, updates)."""
 
     async def drive() -> None:
@@ -127,16 +123,8 @@ def client_process(
                     counts[i] += len(out.new_token_ids)
                     updates[i] += 1
 
-        async def legacy_generate(stub: engine_pb2_grpc.EngineCoreStub, i: int) -> None:
-            msg = to_proto(request(i), engine_pb2.EngineCoreRequest)
-            async for out in stub.Generate(msg):
-                counts[i] += len(out.new_token_ids)
-                updates[i] += 1
-
         client = EngineClient(address)
-        stub = engine_pb2_grpc.EngineCoreStub(aio_channel(address))
-        run = (lambda i: legacy_generate(stub, i)) if legacy else (lambda i: generate(client, i))
-        tasks = [asyncio.create_task(run(i)) for i in range(num_requests)]
+        tasks = [asyncio.create_task(generate(client, i)) for i in range(num_requests)]
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         for task in tasks:
             task.cancel()

@@ -8,7 +8,7 @@ returns a stream that is also an async context manager: leaving the
 sends an abort for that request at once. If the session call breaks, every
 request on it fails and the next `generate()` opens a new session. Failures
 surface as `ServiceUnavailable` (engine unreachable), `InvalidRequest` or
-`EngineError`, with the same mapping as the per-request `Generate` call had.
+`EngineError`, mapped from the gRPC status of the call or of the rejection.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from grpc_health.v1 import health_pb2
 
 from scheduler_service.engine import EngineCore
 from scheduler_service.engine_loop import EngineLoop
-from scheduler_service.output_stream import OutputStream
 from scheduler_service.session import Session
 from scheduler_service.tracing import RequestSpans
 from services.convert import from_proto, to_proto
@@ -45,9 +44,8 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
     """Streams each request's updates from the engine thread to its caller.
 
     The engine thread hands each step's outputs to the event loop with one
-    `call_soon_threadsafe`; they are routed by request id to a sink: the
-    OutputStream of a Generate call, or the Session of a GenerateStream call
-    (one message per step for all of its requests). A call that ends before
+    `call_soon_threadsafe`; they are routed by request id to the Session of
+    their GenerateStream call (one message per step for all of its requests). A call that ends before
     its requests finished (the caller cancelled or went away) aborts them,
     which frees their blocks.
     """
@@ -55,7 +53,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.loop = EngineLoop(engine, self._publish, self._health_changed)
-        self._sinks: dict[str, OutputStream | Session] = {}
+        self._sinks: dict[str, Session] = {}
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self.on_health_change: Callable[[], None] | None = None  # set by EngineCoreServer
         self.workers_answer = True  # last worker probe result, set by EngineCoreServer
@@ -83,7 +81,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             sink = sinks.get(output.request_id)
             if sink is not None:
                 sink.put(output)
-                if output.finished and type(sink) is Session:
+                if output.finished:
                     del sinks[output.request_id]
 
     def _health_changed(self) -> None:
@@ -91,33 +89,6 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             self._aio_loop.call_soon_threadsafe(self.on_health_change)
 
     # ---- RPCs ---------------------------------------------------------------
-
-    async def Generate(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[engine_pb2.EngineCoreOutput]:
-        req = request_from_proto(request)  # ValueError -> INVALID_ARGUMENT
-        request_id_var.set(req.request_id)
-        if req.request_id in self._sinks:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "request_id already in flight")
-        if not self.serving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not serving")
-        stream = OutputStream(asyncio.get_running_loop())
-        self._sinks[req.request_id] = stream
-        finished = False
-        try:
-            try:
-                self._submit(req)
-            except RuntimeError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            while not finished:
-                for output in await stream.get():
-                    finished = output.finished
-                    yield to_proto(output, engine_pb2.EngineCoreOutput)
-        finally:
-            if self._sinks.get(req.request_id) is stream:
-                del self._sinks[req.request_id]
-            if not finished:  # cancelled or the caller went away
-                self.loop.abort([req.request_id])
 
     async def GenerateStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -145,8 +116,9 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
             session.wake()
 
     def _add_to_session(self, msg: engine_pb2.EngineCoreRequest, session: Session) -> None:
-        """Queue one request of a session, or queue its rejection with Generate's status."""
+        """Queue one request of a session, or queue its rejection with a gRPC status code."""
         request_id = msg.request_id
+        request_id_var.set(request_id)  # this reader task's log lines name the request
         try:
             req = request_from_proto(msg)
             if req.request_id in self._sinks:

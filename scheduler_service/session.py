@@ -5,17 +5,18 @@ gateway) on one call. The engine publishes each step's updates once; every
 update of the session's requests lands here, and the writer sends everything
 pending as one `EngineCoreOutputs` message, so a step costs one message per
 connection instead of one per request. When the writer falls behind, the
-updates of each request are merged (see `output_stream.merge_outputs`).
+updates of each request are merged (`merge_outputs`).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from scheduler_service.output_stream import merge_outputs
 from services.convert import fill_proto
 from services.pb import engine_pb2
-from services.types import EngineCoreOutput
+from services.types import EngineCoreOutput, FinishReason
+
+_ERROR = FinishReason.ERROR
 
 
 class Session:
@@ -80,3 +81,42 @@ def merge_by_request(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
     for output in outputs:
         groups.setdefault(output.request_id, []).append(output)
     return [m for group in groups.values() for m in merge_outputs(group)]
+
+
+def merge_outputs(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """Fold consecutive updates of one request into one; an ERROR update stays separate.
+
+    Merged: new_token_ids, new_logprobs and prompt_logprobs concatenated in
+    order; finish_reason, stop_reason, timestamps and num_cached_tokens from
+    the later update. Nothing follows a finished update, so order is kept.
+    """
+    merged: list[EngineCoreOutput] = []
+    for output in outputs:
+        last = merged[-1] if merged else None
+        if last is None or last.finished or output.finish_reason is _ERROR:
+            merged.append(_copy(output))
+            continue
+        last.new_token_ids.extend(output.new_token_ids)
+        last.new_logprobs.extend(output.new_logprobs)
+        last.prompt_logprobs.extend(output.prompt_logprobs)
+        last.finish_reason = output.finish_reason
+        last.stop_reason = output.stop_reason
+        last.num_cached_tokens = output.num_cached_tokens
+        last.timestamps = output.timestamps
+        last.error = output.error
+    return merged
+
+
+def _copy(output: EngineCoreOutput) -> EngineCoreOutput:
+    """A copy whose lists may be extended without touching the scheduler's objects."""
+    return EngineCoreOutput(
+        output.request_id,
+        list(output.new_token_ids),
+        list(output.new_logprobs),
+        output.finish_reason,
+        output.stop_reason,
+        output.num_cached_tokens,
+        output.timestamps,
+        output.error,
+        list(output.prompt_logprobs),
+    )

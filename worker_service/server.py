@@ -25,7 +25,7 @@ from services.worker_api import WorkerProtocol
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-NO_CACHE = "the worker has no KV cache yet: InitializeCache must come before ExecuteModel"
+NO_CACHE = "the worker has no KV cache yet: InitializeCache must come before ExecuteModelStream"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -68,11 +68,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         allocated = await self._run(self.worker.initialize_cache, request.num_blocks)
         await self._report(True)
         return worker_pb2.InitializeCacheResponse(allocated_bytes=allocated)
-
-    async def ExecuteModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._require_cache(context)
-        output = await self._run(self.worker.execute_model, from_proto(request, SchedulerOutput))
-        return to_proto(output, worker_pb2.ModelRunnerOutput)
 
     async def ExecuteModelStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext

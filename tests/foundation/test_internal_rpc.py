@@ -53,10 +53,6 @@ class Flaky(engine_pb2_grpc.EngineCoreServicer):
                 raise ValueError("no such thing as a bad request")
             yield engine_pb2.EngineCoreOutputs()
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await self._maybe_fail("Generate", context)
-        yield engine_pb2.EngineCoreOutput(request_id=request.request_id)
-
 
 async def _serve(servicer: Flaky) -> GrpcServer:
     registration = Registration(
@@ -77,11 +73,12 @@ def test_idempotent_calls_are_retried_and_generate_is_not() -> None:
             assert stats.num_running == 7 and servicer.calls["GetStats"] == 3
             reply = await stub.Abort(engine_pb2.AbortRequest(request_ids=["x"]), timeout=10)
             assert reply.num_aborted == 1 and servicer.calls["Abort"] == 3
-            call = stub.Generate(engine_pb2.EngineCoreRequest(request_id="g"), timeout=10)
+            add = engine_pb2.EngineCoreCommand(add=engine_pb2.EngineCoreRequest(request_id="g"))
+            call = stub.GenerateStream(iter([add]), timeout=10)
             with pytest.raises(grpc.aio.AioRpcError) as excinfo:
                 await call.read()
             assert excinfo.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert servicer.calls["Generate"] == 1
+            assert servicer.calls["GenerateStream"] == 1
         await server.stop(0)
 
     asyncio.run(body())

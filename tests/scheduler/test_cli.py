@@ -14,6 +14,7 @@ from services.grpc_utils import check_health, sync_channel
 from services.pb import engine_pb2, engine_pb2_grpc
 from services.types import EngineCoreRequest, SamplingParams
 from tests.conftest import free_port
+from tests.engine_session import generate_sync
 
 
 def test_help_lists_the_flags() -> None:
@@ -57,9 +58,7 @@ def test_scheduler_process_serves_generate_and_stops_on_sigterm() -> None:
             info = stub.GetServerInfo(engine_pb2.GetServerInfoRequest(), timeout=5)
             assert (info.num_blocks, info.block_size, info.model_name) == (32, 4, "fake")
             request = EngineCoreRequest("cli", [10, 11], SamplingParams(max_tokens=3))
-            outputs = list(
-                stub.Generate(to_proto(request, engine_pb2.EngineCoreRequest), timeout=10)
-            )
+            outputs = generate_sync(stub, to_proto(request, engine_pb2.EngineCoreRequest), 10)
             assert [t for o in outputs for t in o.new_token_ids] == [12, 13, 14]
             assert outputs[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
         scheduler.send_signal(signal.SIGTERM)

@@ -20,6 +20,7 @@ from services.grpc_utils import GrpcServer, aio_channel
 from services.pb import engine_pb2, engine_pb2_grpc
 from services.step_types import SchedulerOutput
 from services.types import EngineCoreRequest, SamplingParams
+from tests.engine_session import OneRequest
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.helpers import expected_tokens
 from worker_service.server import build_server
@@ -55,10 +56,10 @@ class Stack:
         await self.server.stop(0.5)
         await self.worker_server.stop(0.5)
 
-    def generate(self, request_id: str, prompt: list[int], **params: Any) -> Any:
+    def generate(self, request_id: str, prompt: list[int], **params: Any) -> OneRequest:
         params.setdefault("max_tokens", 8)
         request = EngineCoreRequest(request_id, prompt, SamplingParams(**params))
-        return self.stub.Generate(to_proto(request, engine_pb2.EngineCoreRequest))
+        return OneRequest(self.stub, to_proto(request, engine_pb2.EngineCoreRequest))
 
     async def collect(
         self, request_id: str, prompt: list[int], **params: Any
@@ -79,8 +80,8 @@ class Stack:
         return int(reply.status)
 
 
-async def read_rest(call: Any) -> list[Any]:
-    """The remaining messages of a stream read with call.read()."""
+async def read_rest(call: OneRequest) -> list[Any]:
+    """The remaining outputs of a request read with call.read()."""
     outputs = []
     while (out := await call.read()) is not grpc.aio.EOF:
         outputs.append(out)
@@ -189,7 +190,7 @@ def test_requests_that_cannot_fit_get_invalid_argument() -> None:
                 sampling_params=engine_pb2.SamplingParams(temperature=-1.0),
             )
             with pytest.raises(grpc.aio.AioRpcError) as excinfo:
-                await s.stub.Generate(bad_params).read()
+                await OneRequest(s.stub, bad_params).read()
             assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "temperature" in (excinfo.value.details() or "")
             tokens, _ = await s.collect("ok", [1, 2], max_tokens=3)  # still serving
@@ -273,7 +274,7 @@ def test_unset_max_tokens_means_up_to_max_model_len() -> None:
     async def body() -> None:
         async with Stack(FakeWorker(max_model_len=24)) as s:
             msg = engine_pb2.EngineCoreRequest(request_id="long", prompt_token_ids=[1, 2, 3, 4])
-            outputs = await read_rest(s.stub.Generate(msg))
+            outputs = await read_rest(OneRequest(s.stub, msg))
             assert sum(len(o.new_token_ids) for o in outputs) == 20
             assert outputs[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from services.pb import engine_pb2, tensor_pb2
+from tests.engine_session import OneRequest
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.test_service import Stack
 
@@ -45,9 +46,9 @@ def _mm(**fields: Any) -> engine_pb2.MultiModalInput:
 
 
 async def _outcome(stack: Stack, msg: engine_pb2.EngineCoreRequest) -> tuple[Any, str]:
-    """(status code, details) of a Generate call, or (number of tokens, "") when it ran."""
+    """(status code, details) of a refused request, or (number of tokens, "") when it ran."""
     try:
-        outputs = [o async for o in stack.stub.Generate(msg, timeout=20)]
+        outputs = [o async for o in OneRequest(stack.stub, msg, timeout=20)]
     except grpc.aio.AioRpcError as exc:
         return exc.code(), exc.details() or ""
     return sum(len(o.new_token_ids) for o in outputs), ""

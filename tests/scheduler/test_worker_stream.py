@@ -13,12 +13,9 @@ import pytest
 
 from scheduler_service.errors import WorkerUnavailableError
 from scheduler_service.worker_client import GrpcWorkerClient
-from services.convert import from_proto, to_proto
 from services.grpc_utils import GrpcServer
-from services.pb import worker_pb2
 from services.step_types import (
     CachedRequestData,
-    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
@@ -103,15 +100,6 @@ def test_a_failed_step_fails_alone_and_the_stream_goes_on(served: Served) -> Non
         with pytest.raises(RuntimeError, match="INTERNAL: RuntimeError: kernel exploded"):
             failed.result()
         assert after.result().step_id == 3 and "a" not in served.worker.requests
-    finally:
-        client.close()
-
-
-def test_the_unary_call_still_serves_a_step(served: Served) -> None:
-    client = GrpcWorkerClient(served.address)
-    try:
-        reply = client._stub.ExecuteModel(to_proto(prefill(1), worker_pb2.SchedulerOutput))
-        assert from_proto(reply, ModelRunnerOutput).sampled[0].token_ids == [4]
     finally:
         client.close()
 

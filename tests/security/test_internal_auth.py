@@ -31,6 +31,7 @@ from services.grpc_utils import (
     sync_channel,
 )
 from services.pb import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.engine_session import OneRequest, generate_sync
 from tests.scheduler.fake_worker import FakeWorker
 from worker_service.server import WorkerServicer, build_server
 
@@ -134,14 +135,14 @@ def test_health_stays_open_and_generate_and_abort_need_the_token(internal: Inter
     with sync_channel(internal.engine_address, security=NONE) as channel:
         stub = engine_pb2_grpc.EngineCoreStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(request, timeout=5))
+            generate_sync(stub, request, timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as err:
             stub.Abort(engine_pb2.AbortRequest(request_ids=["r1"]), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # the scheduler's own channel to the worker carries the token: generation works end to end
     with sync_channel(internal.engine_address, security=RIGHT) as channel:
-        outputs = list(engine_pb2_grpc.EngineCoreStub(channel).Generate(request, timeout=10))
+        outputs = generate_sync(engine_pb2_grpc.EngineCoreStub(channel), request, timeout=10)
     assert sum(len(o.new_token_ids) for o in outputs) == 4
 
 
@@ -224,7 +225,7 @@ def test_asyncio_channels_send_the_token_on_every_kind_of_call(internal: Interna
             stub = engine_pb2_grpc.EngineCoreStub(channel)
             try:
                 await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)  # unary-unary
-                return sum([len(o.new_token_ids) async for o in stub.Generate(request)])
+                return sum([len(o.new_token_ids) async for o in OneRequest(stub, request)])
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
 

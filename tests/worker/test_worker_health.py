@@ -44,10 +44,11 @@ def test_not_serving_until_the_kv_cache_exists_and_instance_ids_differ(tiny_dir:
         try:
             assert health_status(address) == NOT_SERVING
             assert health_status(address, "tessera.v1.Worker") == NOT_SERVING
-            with sync_channel(address) as channel:  # unary ExecuteModel: the status itself
+            with sync_channel(address) as channel:  # a raw stream call: the status itself
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 with pytest.raises(grpc.RpcError) as excinfo:
-                    stub.ExecuteModel(worker_pb2.SchedulerOutput(step_id=1), timeout=10)
+                    steps = iter([worker_pb2.SchedulerOutput(step_id=1)])
+                    list(stub.ExecuteModelStream(steps, timeout=10))
             assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "InitializeCache" in (excinfo.value.details() or "")
             with pytest.raises(WorkerUnavailableError, match="FAILED_PRECONDITION"):

@@ -1,10 +1,8 @@
-"""OutputStream: updates that pile up while a Generate stream is behind merge into one message."""
+"""merge_outputs: updates that pile up while a session's writer is behind merge into one."""
 
 from __future__ import annotations
 
-import asyncio
-
-from scheduler_service.output_stream import OutputStream, merge_outputs
+from scheduler_service.session import merge_outputs
 from services.types import EngineCoreOutput, FinishReason, RequestTimestamps, TokenLogprobs
 
 
@@ -42,20 +40,3 @@ def test_prompt_logprobs_of_the_first_update_survive_a_merge() -> None:
     merged = merge_outputs([first, EngineCoreOutput("a", [6])])
     assert [lp.token_id for lp in merged[0].prompt_logprobs] == [9, 8]
     assert merged[0].new_token_ids == [5, 6]
-
-
-def test_stream_waits_then_returns_everything_queued_merged() -> None:
-    async def scenario() -> tuple[list[EngineCoreOutput], list[EngineCoreOutput]]:
-        stream = OutputStream(asyncio.get_running_loop())
-        reader = asyncio.create_task(stream.get())
-        await asyncio.sleep(0)
-        assert not reader.done()  # nothing queued yet: the reader waits
-        stream.put(EngineCoreOutput("a", [1]))
-        woken = await reader
-        for token in (2, 3, 4):  # the reader is busy: three updates pile up
-            stream.put(EngineCoreOutput("a", [token]))
-        return woken, await stream.get()
-
-    woken, piled = asyncio.run(scenario())
-    assert [o.new_token_ids for o in woken] == [[1]]
-    assert [o.new_token_ids for o in piled] == [[2, 3, 4]]
