@@ -2,7 +2,8 @@
 
 Every request of the gateway rides one multiplexed `GenerateStream` call per
 connection (`_Session`): requests and aborts go up, and each engine step comes
-back as one message carrying the updates of all requests. `generate()`
+back as one message carrying the updates of all requests (and, at most every
+0.1 s, the scheduler's figures: `latest_stats`). `generate()`
 returns a stream that is also an async context manager: leaving the
 `async with` block early (stop string, client disconnect, task cancellation)
 sends an abort for that request at once. If the session call breaks, every
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -98,7 +99,10 @@ class EngineStream:
 class _Session:
     """One GenerateStream call carrying many requests; broken for good once the call ends."""
 
-    def __init__(self, stub: engine_pb2_grpc.EngineCoreStub) -> None:
+    def __init__(
+        self, stub: engine_pb2_grpc.EngineCoreStub, on_stats: Callable[[SchedulerStats], None]
+    ) -> None:
+        self._on_stats = on_stats
         self._outbox: asyncio.Queue[engine_pb2.EngineCoreCommand] = asyncio.Queue()
         self._streams: dict[str, EngineStream] = {}
         self.broken = False
@@ -140,6 +144,8 @@ class _Session:
                 stream.put(error)
 
     def _route(self, msg: engine_pb2.EngineCoreOutputs) -> None:
+        if msg.HasField("stats"):
+            self._on_stats(from_proto(msg.stats, SchedulerStats))
         streams = self._streams
         for rejection in msg.rejections:
             stream = streams.pop(rejection.request_id, None)
@@ -165,6 +171,8 @@ class EngineClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._health_cache: tuple[float, bool] = (0.0, False)
         self._session: _Session | None = None
+        self.latest_stats: SchedulerStats | None = None  # the last figures a session carried
+        self.latest_stats_at = 0.0  # monotonic time of latest_stats
 
     async def close(self) -> None:
         if self._session is not None:
@@ -180,8 +188,11 @@ class EngineClient:
         request never waits for a scheduler that cannot take it."""
         self._check_available()
         if self._session is None or self._session.broken:
-            self._session = _Session(self._stub)
+            self._session = _Session(self._stub, self._note_stats)
         return self._session.submit(request)
+
+    def _note_stats(self, stats: SchedulerStats) -> None:
+        self.latest_stats, self.latest_stats_at = stats, time.monotonic()
 
     def _check_available(self) -> None:
         state = self._channel.get_state(try_to_connect=True)

@@ -11,9 +11,10 @@ Each request goes where its prompt's prefix hash went before, a new prefix to it
 rendezvous winner unless that replica holds clearly more prefixes than another
 (so a prefix lands where it is cached, and prefixes spread evenly), unless that
 replica is over the load bound
-(gateway/routing.py); load comes from GetStats polls no older than `STATS_MAX_AGE_S`
-and the router's own in-flight counts. Replicas whose stats say unhealthy (or do
-not answer) are skipped. The choices of one client request (`{id}-{index}`) stay on
+(gateway/routing.py); load comes from the scheduler figures each replica's output
+stream carries (`EngineClient.latest_stats`, no older than `STATS_MAX_AGE_S`) and the
+router's own in-flight counts. Replicas whose figures say unhealthy, or whose calls
+failed as unavailable, are skipped until their health check answers SERVING again. The choices of one client request (`{id}-{index}`) stay on
 one replica. A request that fails as unavailable before any output is retried on
 another replica; once output flowed, the error reaches the client (EngineClient
 ends the stream with it).
@@ -38,10 +39,9 @@ from services.step_types import SchedulerStats, ServerInfo
 from services.types import EngineCoreOutput, EngineCoreRequest
 
 log = logging.getLogger(__name__)
-POLL_EVERY_S = 0.5  # GetStats of every replica (only when there are several)
+HEALTH_EVERY_S = 0.5  # health checks of replicas marked down (only when there are several)
 STATS_MAX_AGE_S = 1.0  # older stats do not count as load
 RESOLVE_EVERY_S = 5.0  # DNS re-resolution of a single scheduler name
-STATS_TIMEOUT_S = 1.0
 AGGREGATE_TIMEOUT_S = 0.8  # per replica in stats(), under the /metrics deadline of 1 s
 MAX_KNOWN_PREFIXES = 65536  # affinity keys remembered (least recently routed forgotten first)
 
@@ -52,18 +52,21 @@ class Replica:
 
     address: str
     client: EngineClient
-    stats: SchedulerStats | None = None
-    stats_at: float = 0.0  # monotonic time of `stats`
-    healthy: bool = True  # until a poll or a failure says otherwise
+    healthy: bool = True  # until its figures or a failure say otherwise
     in_flight: int = 0  # this gateway's requests on it
     routed: int = 0  # requests sent to it since start
     groups: dict[str, int] = field(default_factory=dict)  # client request id -> choices open
     retired_at: float = 0.0  # monotonic time it left DNS (0: still known)
 
+    def fresh_stats(self, now: float) -> SchedulerStats | None:
+        """The figures its stream last carried, if no older than STATS_MAX_AGE_S."""
+        stats = self.client.latest_stats
+        return stats if stats and now - self.client.latest_stats_at <= STATS_MAX_AGE_S else None
+
     def candidate(self, now: float, prefixes: int) -> Candidate:
-        fresh = self.stats is not None and now - self.stats_at <= STATS_MAX_AGE_S
-        queued = self.stats.num_waiting + self.stats.num_running if fresh and self.stats else 0
-        kv = self.stats.kv_cache_usage if fresh and self.stats else 0.0
+        stats = self.fresh_stats(now)
+        queued = stats.num_waiting + stats.num_running if stats else 0
+        kv = stats.kv_cache_usage if stats else 0.0
         return Candidate(self.address, max(queued, self.in_flight), kv, prefixes)
 
 
@@ -93,7 +96,7 @@ class EngineRouter:
         self._block_size = 0  # from GetServerInfo
         self._prefixes = PrefixTable(MAX_KNOWN_PREFIXES)
         self._turn = 0
-        self._tasks = [asyncio.get_running_loop().create_task(self._poll_forever())]
+        self._tasks = [asyncio.get_running_loop().create_task(self._check_health_forever())]
         if self._dns_name is not None:
             self._tasks.append(asyncio.get_running_loop().create_task(self._resolve_forever()))
 
@@ -218,23 +221,23 @@ class EngineRouter:
             log.warning("engine replica %s is unavailable; routing around it", replica.address)
         replica.healthy = False
 
-    # -- background: stats polls and DNS ----------------------------------------------------
+    # -- background: health of replicas marked down, and DNS ---------------------------------
 
-    async def _poll_forever(self) -> None:
+    async def _check_health_forever(self) -> None:
         while True:
             if len(self.replicas) > 1:
-                await asyncio.gather(*(self._poll(r) for r in self.replicas))
-            await asyncio.sleep(POLL_EVERY_S)
+                await asyncio.gather(*(self._check_health(r) for r in self.replicas))
+            await asyncio.sleep(HEALTH_EVERY_S)
 
-    async def _poll(self, replica: Replica) -> None:
-        try:
-            stats = await asyncio.wait_for(replica.client.stats(), STATS_TIMEOUT_S)
-        except (ApiError, TimeoutError):
+    async def _check_health(self, replica: Replica) -> None:
+        """Figures on its stream that say unhealthy mark it down; a health check that says
+        SERVING brings a replica marked down back."""
+        stats = replica.fresh_stats(time.monotonic())
+        if stats is not None and not stats.healthy:
             self._mark_down(replica)
-            return
-        if stats.healthy and not replica.healthy:
+        elif not replica.healthy and await replica.client.healthy():
             log.info("engine replica %s is serving again", replica.address)
-        replica.stats, replica.stats_at, replica.healthy = stats, time.monotonic(), stats.healthy
+            replica.healthy = True
         if not self._block_size:
             with contextlib.suppress(ApiError):
                 self._block_size = (await replica.client.server_info()).block_size

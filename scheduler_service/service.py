@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 # shortens it for its process; the benchmark (benchmarks.step_overhead_bench)
 # shows the effect.
 ENGINE_SWITCH_INTERVAL_S = 0.0002
+STATS_EVERY_S = 0.1  # stats ride on the sessions' messages at most this often (and on finishes)
 
 # Status codes of GenerateStream rejections, as numbers (RequestRejection.code).
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -58,6 +60,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
         self.on_health_change: Callable[[], None] | None = None  # set by EngineCoreServer
         self.workers_answer = True  # last worker probe result, set by EngineCoreServer
         self.spans: RequestSpans | None = None  # traced requests' spans; None: tracing off
+        self._stats_sent_at = 0.0  # monotonic time stats last rode on the sessions
 
     def start(self) -> None:
         self._aio_loop = asyncio.get_running_loop()
@@ -76,13 +79,21 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         if self.spans is not None:
             self.spans.observe(outputs)
-        sinks = self._sinks
+        sinks, touched, finished = self._sinks, set(), False
         for output in outputs:
             sink = sinks.get(output.request_id)
             if sink is not None:
                 sink.put(output)
+                touched.add(sink)
                 if output.finished:
+                    finished = True
                     del sinks[output.request_id]
+        now = time.monotonic()
+        if touched and (finished or now - self._stats_sent_at >= STATS_EVERY_S):
+            self._stats_sent_at = now
+            stats = self._stats_proto()
+            for session in touched:
+                session.set_stats(stats)
 
     def _health_changed(self) -> None:
         if self._aio_loop is not None and self.on_health_change is not None:
@@ -165,6 +176,9 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
         return to_proto(self.engine.server_info(), engine_pb2.ServerInfo)
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return self._stats_proto()
+
+    def _stats_proto(self) -> engine_pb2.SchedulerStats:
         stats = self.engine.stats()
         stats.healthy = self.serving
         return to_proto(stats, engine_pb2.SchedulerStats)

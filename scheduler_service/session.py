@@ -22,12 +22,13 @@ _ERROR = FinishReason.ERROR
 class Session:
     """Pending updates and rejections of one GenerateStream call; event-loop thread only."""
 
-    __slots__ = ("_loop", "_outputs", "_rejections", "_waiter", "input_done", "live")
+    __slots__ = ("_loop", "_outputs", "_rejections", "_stats", "_waiter", "input_done", "live")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._outputs: list[EngineCoreOutput] = []
         self._rejections: list[engine_pb2.RequestRejection] = []
+        self._stats: engine_pb2.SchedulerStats | None = None  # rides on the next message
         self._waiter: asyncio.Future[None] | None = None
         self.live: set[str] = set()  # submitted, not finished, not aborted
         self.input_done = False  # the caller closed its side (or it broke)
@@ -43,6 +44,10 @@ class Session:
         if output.finished:
             self.live.discard(output.request_id)
         self.wake()
+
+    def set_stats(self, stats: engine_pb2.SchedulerStats) -> None:
+        """The scheduler's latest figures, sent with the next message (not a message alone)."""
+        self._stats = stats
 
     def reject(self, request_id: str, code: int, message: str) -> None:
         """Queue the refusal of a request that was never queued in the engine."""
@@ -66,8 +71,8 @@ class Session:
                 await self._waiter
             finally:
                 self._waiter = None
-        msg = engine_pb2.EngineCoreOutputs(rejections=self._rejections)
-        outputs, self._outputs, self._rejections = self._outputs, [], []
+        msg = engine_pb2.EngineCoreOutputs(rejections=self._rejections, stats=self._stats)
+        outputs, self._outputs, self._rejections, self._stats = self._outputs, [], [], None
         for output in merge_by_request(outputs):
             fill_proto(msg.outputs.add(), output)
         return msg

@@ -1,10 +1,9 @@
 """A test double of the scheduler's EngineCore, served over real gRPC.
 
-Generate streams the token ids of a fixed answer (tokenized with the real
-tokenizer), one token per update, then EOS. GenerateStream does the same for
-every request of a session, each update in its own EngineCoreOutputs message.
-It records every request it got, when each request ended by cancellation (a
-cancelled Generate call, an abort command, or a broken session), and every
+GenerateStream streams, for every request of a session, the token ids of a fixed
+answer (tokenized with the real tokenizer), one token per update, then EOS, each
+update in its own EngineCoreOutputs message. It records every request it got, when
+each request ended by cancellation (an abort command or a broken session), and every
 Abort RPC.
 """
 
@@ -54,20 +53,10 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
     host_id: str = ""  # reported in ServerInfo: the gateway's host_id makes it send shm handles
     runner: str = "generate"  # reported in ServerInfo; "pooling": embedding requests answered
 
-    async def Generate(self, request: Any, context: Any) -> Any:
-        req = from_proto(request, EngineCoreRequest)
-        self.requests.append(req)
-        self.started[req.request_id] = time.monotonic()
-        finished = False
-        try:
-            for out in self._outputs(req):
-                if self.token_delay_s:
-                    await asyncio.sleep(self.token_delay_s)
-                finished = out.finished
-                yield to_proto(out, engine_pb2.EngineCoreOutput)
-        finally:
-            if not finished:  # cancelled mid-await (CancelledError) or mid-yield (GeneratorExit)
-                self.cancelled_at[req.request_id] = time.monotonic()
+    def session_stats(self) -> SchedulerStats | None:
+        """Figures to carry on each session message (None: none, as between a real
+        scheduler's 0.1 s stats ticks)."""
+        return None
 
     async def GenerateStream(self, request_iterator: Any, context: Any) -> Any:
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -105,6 +94,8 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
                 finished = out.finished
                 msg = engine_pb2.EngineCoreOutputs()
                 msg.outputs.append(to_proto(out, engine_pb2.EngineCoreOutput))
+                if (stats := self.session_stats()) is not None:
+                    msg.stats.CopyFrom(to_proto(stats, engine_pb2.SchedulerStats))
                 queue.put_nowait(msg)
         finally:
             if not finished:  # aborted, or the session broke

@@ -29,13 +29,16 @@ BLOCK = 16  # the fake engine's block size
 
 
 class LoadedEngine(FakeEngine):
-    """A fake engine whose GetStats reports `waiting` queued requests."""
+    """A fake engine whose figures (GetStats, and on its stream) report `waiting` queued
+    requests."""
 
     waiting = 0
 
+    def session_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_waiting=self.waiting, kv_cache_usage=0.1, healthy=True)
+
     async def GetStats(self, request: Any, context: Any) -> Any:
-        stats = SchedulerStats(num_waiting=self.waiting, num_running=0, kv_cache_usage=0.1)
-        return to_proto(stats, engine_pb2.SchedulerStats)
+        return to_proto(self.session_stats(), engine_pb2.SchedulerStats)
 
 
 def req(
@@ -192,11 +195,13 @@ def test_a_loaded_replica_loses_its_affinity() -> None:
     async def body(engines: list[FakeEngine], servers: list[GrpcServer]) -> None:
         router = EngineRouter(addresses(servers))
         await router.server_info()
+        for engine in engines:
+            engine.waiting = 50  # type: ignore[attr-defined]
         await drain(router.generate(req("probe-0", prefixed(9, 0))))
         home = counts(engines).index(1)
-        engines[home].waiting = 50  # type: ignore[attr-defined]
-        polled = time.monotonic()
-        await wait_until(lambda: router.replicas[home].stats_at > polled + 0.01)
+        stats = router.replicas[home].fresh_stats(time.monotonic())  # from the probe's stream
+        assert stats is not None and stats.num_waiting == 50
+        assert router.replicas[1 - home].client.latest_stats is None  # it never streamed
         await drain(router.generate(req("moved-0", prefixed(9, 1))))
         assert engines[1 - home].requests[-1].request_id == "moved-0"
         await router.close()

@@ -294,3 +294,22 @@ def test_a_request_id_already_in_flight_is_refused() -> None:
             assert outputs[-1].finish_reason == engine_pb2.FINISH_REASON_ABORT
 
     run(body)
+
+
+def test_the_scheduler_figures_ride_on_the_session_stream() -> None:
+    """The message that finishes a request carries the figures after that step; the router
+    reads load from there instead of polling GetStats."""
+
+    async def body() -> None:
+        async with Stack(FakeWorker()) as s:
+            request = EngineCoreRequest("ride", [1, 2, 3], SamplingParams(max_tokens=4))
+            add = engine_pb2.EngineCoreCommand(add=to_proto(request, engine_pb2.EngineCoreRequest))
+            messages = [m async for m in s.stub.GenerateStream(iter([add]))]
+            assert messages[0].HasField("stats")  # the first update of the session
+            last = messages[-1]
+            assert last.outputs[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+            assert last.HasField("stats")
+            assert (last.stats.num_running, last.stats.num_finished) == (0, 1)
+            assert last.stats.healthy and last.stats.num_blocks_used == 0
+
+    run(body)
