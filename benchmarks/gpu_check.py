@@ -32,9 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.attention_cases import ATTENTION_CASES, TRITON_BATCHES, build_case
 from benchmarks.gpu_check_quant import quant_report
-from tests.worker.test_attention_reference import build_case
-from tests.worker.test_attention_triton import ATTENTION_CASES, TRITON_BATCHES
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.reference import ReferenceAttentionBackend
 from worker_service.attention.triton_backend import TritonAttentionBackend

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tests.quant.test_quant_triton import CASES, TOLERANCE, random_blocks, reference_weight
+from benchmarks.quant_cases import CASES, TOLERANCE, random_blocks, reference_weight
 from worker_service.models import quant_triton
 from worker_service.models.quant import BLOCK_BYTES, BlockWeight
 
@@ -105,9 +105,9 @@ def quant_timings(
 def model_check() -> dict[str, Any]:
     """The default model's Q4_1 GGUF on the CUDA worker: blocks on CUDA, greedy vs HF."""
     from benchmarks.quality import PROMPTS
+    from benchmarks.quant_cases import AGREEMENT, hf_dequantized_greedy, tessera_greedy
     from services.default_model import gguf_path
     from tessera import LLM
-    from tests.quant.test_gguf import AGREEMENT, hf_dequantized_greedy, tessera_greedy
     from worker_service.models.layers import Linear
 
     llm = LLM(quantization="gguf", dtype="float32", kv_cache_memory="256MiB", max_num_seqs=8)

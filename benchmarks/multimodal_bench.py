@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 
 from benchmarks.report import cpu_info, cpu_line, markdown_table, write_results
+from benchmarks.stack import start_stack
+from benchmarks.tiny_vlm import build_tiny_llava, png_bytes, sample_image
 from services.default_model import resolve_model
-from tests.multimodal.tiny_vlm import build_tiny_llava, png_bytes, sample_image
-from tests.stack.harness import start_stack
 
 IMAGE_SIZE, PATCH = 336, 14
 

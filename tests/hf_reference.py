@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.hf_greedy import hf_greedy_with
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -33,35 +35,6 @@ def hf_greedy(
     return hf_greedy_with(
         hf_model(model_dir, dtype, attn_implementation), prompt_ids_list, max_new_tokens
     )
-
-
-def hf_greedy_with(
-    model: Any, prompt_ids_list: list[list[int]], max_new_tokens: int
-) -> list[list[int]]:
-    """`hf_greedy` over a model already built (a PEFT `PeftModel`, say)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    results = []
-    saved_eos = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = None  # else generate falls back to it and stops
-    try:
-        with torch.inference_mode():
-            for ids in prompt_ids_list:
-                inputs = torch.tensor([ids])
-                out = model.generate(
-                    inputs, attention_mask=torch.ones_like(inputs), generation_config=config
-                )
-                results.append(out[0, len(ids) :].tolist())
-    finally:
-        model.generation_config.eos_token_id = saved_eos
-    return results
 
 
 def hf_logits(model_dir: Path, ids: list[int], dtype: str = "float32") -> torch.Tensor:

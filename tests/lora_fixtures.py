@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.hf_reference import hf_greedy_with
+from benchmarks.hf_greedy import hf_greedy_with
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TINY_LLAMA: dict[str, Any] = {

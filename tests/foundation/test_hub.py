@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks.stack import REPO, start_stack
 from services.config import HubConfig
 from services.default_model import resolve_model, served_name
 from services.hub import is_hub_id
 from tests.hf_reference import hf_greedy
-from tests.stack.harness import REPO, start_stack
 
 OLD, NEW = "a" * 40, "b" * 40  # two commits of acme/tiny; main and the tag v2 point at NEW
 

@@ -251,7 +251,7 @@ def test_completion_errors_are_invalid_argument(
 
 def test_every_public_field_has_a_doc_comment() -> None:
     """Each message, oneof, field and rpc of generate.proto has a `//` line right above it."""
-    from tests.stack.harness import REPO
+    from benchmarks.stack import REPO
 
     lines = (REPO / "protos" / "generate.proto").read_text().splitlines()
     declaration = re.compile(

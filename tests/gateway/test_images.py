@@ -14,12 +14,12 @@ import httpx
 import pytest
 from PIL import Image
 
+from benchmarks.tiny_vlm import build_tiny_llava, png_bytes, sample_image
 from gateway.multimodal import image_hash
 from gateway.tokenizer import Tokenizer
 from services.tensor_handles import host_id
 from tests.gateway.conftest import API_KEY, Stack, start_stack
 from tests.gateway.fake_engine import MODEL_NAME
-from tests.multimodal.tiny_vlm import build_tiny_llava, png_bytes, sample_image
 
 pytestmark = pytest.mark.slow
 CHAT = "/v1/chat/completions"

@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.stack.harness import Stack, start_stack
+from benchmarks.stack import Stack, start_stack
 from tests.structured_schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.multimodal.tiny_vlm import BUILDERS, build_tiny_llava
+from benchmarks.tiny_vlm import BUILDERS, build_tiny_llava
 
 
 @pytest.fixture(scope="session")

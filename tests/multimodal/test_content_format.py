@@ -13,15 +13,15 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.chat_format import detect_content_format
-from tests.multimodal.hf_vlm import _hf, hf_vlm_greedy
-from tests.multimodal.tiny_vlm import (
+from benchmarks.stack import Stack, start_stack
+from benchmarks.tiny_vlm import (
     BUILDERS,
     CHAT_TEMPLATE,
     png_bytes,
     sample_image,
 )
-from tests.stack.harness import Stack, start_stack
+from gateway.chat_format import detect_content_format
+from tests.multimodal.hf_vlm import _hf, hf_vlm_greedy
 
 # The templates llava-hf/llava-1.5 and HuggingFaceM4/Idefics3 ship (content parts only).
 LLAVA_TEMPLATE = (

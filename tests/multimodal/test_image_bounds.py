@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from benchmarks.tiny_vlm import png_bytes, sample_image
 from gateway.errors import InvalidRequest
 from gateway.multimodal import ImageLimits, MultiModalProcessor, ResizeRule, decode_image
-from tests.multimodal.tiny_vlm import png_bytes, sample_image
 
 WIDE = (400000, 1)
 

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.multimodal.tiny_vlm import build_tiny_llava, png_bytes, sample_image
-from tests.stack.harness import Stack, start_stack
+from benchmarks.stack import Stack, start_stack
+from benchmarks.tiny_vlm import build_tiny_llava, png_bytes, sample_image
 from tests.stack.test_serve_e2e import scheduler_stats
 
 pytestmark = pytest.mark.slow

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from benchmarks.tiny_vlm import sample_image
 from services.types import SamplingParams
 from tests.multimodal.conftest import offline_llm
 from tests.multimodal.hf_vlm import hf_chat_prompt, hf_vlm_greedy
 from tests.multimodal.test_vlm_offline import _image_part
 from tests.multimodal.tiny_qwen_vl import IMAGE, MAX_PIXELS, build_tiny_qwen_vl, to_flat_layout
-from tests.multimodal.tiny_vlm import sample_image
 
 MAX_TOKENS = 12
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -16,13 +16,13 @@ import openai
 import pytest
 from PIL import Image
 
+from benchmarks.stack import Stack, start_stack
+from benchmarks.tiny_vlm import png_bytes, sample_image
 from tests.multimodal.hf_vlm import hf_chat_prompt, hf_vlm_greedy
 from tests.multimodal.test_no_leaks import _one
 from tests.multimodal.test_qwen_vl_offline import KINDS
 from tests.multimodal.test_vlm_serve import part, text
 from tests.multimodal.tiny_qwen_vl import build_tiny_qwen_vl
-from tests.multimodal.tiny_vlm import png_bytes, sample_image
-from tests.stack.harness import Stack, start_stack
 from tests.stack.test_serve_e2e import wait_idle
 
 pytestmark = pytest.mark.slow

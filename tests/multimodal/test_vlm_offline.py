@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from benchmarks.tiny_vlm import png_bytes, sample_image
 from services.types import SamplingParams
 from tests.multimodal.conftest import offline_llm
 from tests.multimodal.hf_vlm import hf_chat_prompt, hf_vlm_greedy
-from tests.multimodal.tiny_vlm import png_bytes, sample_image
 
 MAX_TOKENS = 12
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

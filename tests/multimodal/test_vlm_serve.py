@@ -17,9 +17,9 @@ from typing import Any
 import openai
 import pytest
 
+from benchmarks.stack import REPO, Stack, start_stack
+from benchmarks.tiny_vlm import png_bytes, sample_image
 from tests.multimodal.hf_vlm import hf_chat_prompt, hf_vlm_greedy
-from tests.multimodal.tiny_vlm import png_bytes, sample_image
-from tests.stack.harness import REPO, Stack, start_stack
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import worker_service.multimodal as worker_mm
+from benchmarks.tiny_vlm import sample_image
 from services.tensor_handles import MappedTensor, export_tensor, map_tensor
 from services.types import SamplingParams
-from tests.multimodal.tiny_vlm import sample_image
 
 
 def test_map_tensor_is_a_view_of_the_segment() -> None:

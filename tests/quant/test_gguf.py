@@ -14,20 +14,15 @@ import pytest
 import torch
 
 from benchmarks.quality import PROMPTS
+from benchmarks.quant_cases import AGREEMENT, NEW_TOKENS, hf_dequantized_greedy, tessera_greedy
 from services.default_model import gguf_path
 from services.gguf_model import GGUFError, check, prepare
-from services.types import SamplingParams
 from tessera import LLM
-from tests.hf_reference import hf_greedy_with
 from tests.quant.gguf_files import requantize, tiny_llama, truncated
 from worker_service.gguf import StackedBlocks
 from worker_service.models.layers import Linear
 from worker_service.models.quant import Q4_1, TYPE_NAMES
 
-NEW_TOKENS = 32
-# Greedy prompts (of 8) equal to HF's over the dequantized file, at least: float32 sums in
-# another order flip a near-tie now and then at 4 bits, never at 8 (issue 21: 8/8 for Q8_0).
-AGREEMENT = {"Q8_0": 8, "Q4_0": 7, "Q4_1": 7, "Q5_0": 7, "Q5_1": 7, "Q4_K": 8, "Q5_K": 8}
 # The block formats of each file's Linears (the shipped file's token_embd, the LM head: Q8_0).
 LINEAR_TYPES = {"Q8_0": {"Q8_0"}, "Q4_0": {"Q4_0"}, "Q4_1": {"Q4_1", "Q8_0"}, "Q5_0": {"Q5_0"},
                 "Q5_1": {"Q5_1"}, "Q4_K": {"Q4_K", "Q6_K"}, "Q5_K": {"Q5_K"}}  # fmt: skip
@@ -42,20 +37,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     q4_k = tiny_llama(out / "tiny-llama-Q4_K.gguf", K_TYPES)
     q5_k = tiny_llama(out / "tiny-llama-Q5_K.gguf", dict.fromkeys(K_TYPES, "Q5_K"), seed=1)
     return {"Q4_1": gguf_path(), **made, "Q4_K": q4_k, "Q5_K": q5_k}
-
-
-def tessera_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
-
-
-def hf_dequantized_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return hf_greedy_with(model.eval(), prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(AGREEMENT))

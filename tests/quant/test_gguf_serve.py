@@ -14,11 +14,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from benchmarks.stack import Stack, start_stack
 from services.default_model import gguf_path
 from tests.hf_reference import hf_greedy
 from tests.quant.gguf_files import truncated
 from tests.quant.test_gguf import PROMPTS
-from tests.stack.harness import Stack, start_stack
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24

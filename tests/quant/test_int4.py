@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.hf_greedy import hf_greedy_with
 from benchmarks.quality import PROMPTS
 from gateway.tokenizer import Tokenizer
 from services.types import SamplingParams
 from tessera import LLM
-from tests.hf_reference import hf_greedy_with
 from tests.quant.prequant_files import save_tiny_llama
 from tests.quant.test_int8 import hf_with_quantized_linears
 from tests.worker.tiny_dense import eight_prompts

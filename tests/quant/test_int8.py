@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.hf_greedy import hf_greedy_with
 from benchmarks.quality import PROMPTS
 from services.types import SamplingParams
 from tessera import LLM
-from tests.hf_reference import hf_greedy_with
 from worker_service.models.layers import Linear
 from worker_service.models.quant import Q8_0, BlockWeight
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.hf_greedy import hf_greedy_with
 from services.types import SamplingParams
 from tessera import LLM
-from tests.hf_reference import hf_greedy_with
 from tests.quant.prequant_files import hf_with_weights, save_tiny_llama, write_quantized
 from tests.worker.tiny_dense import eight_prompts
 from tests.worker.tiny_families import save_family

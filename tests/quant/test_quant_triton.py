@@ -3,11 +3,8 @@ matmul in float32, on CPU through the Triton interpreter. Triton picks compiling
 interpreting when the kernel is decorated, so the cases run in a child pytest started with
 TRITON_INTERPRET=1 (tests/worker/interpret.py), as the attention and MoE kernel tests do.
 
-Blocks are random bytes with sane float16 scales, so every code value and every 6-bit
-scale occurs. References: quant.dequantize_blocks (Q4_0, Q4_1, Q8_0) and
-gguf.quants.dequantize (Q4_K, Q6_K). Tolerances, on max |got - ref| / max |ref|: float32
-1e-5 (summation order only); float16 2e-3 and bfloat16 1.6e-2: the output is rounded to
-x's dtype (half an ulp: 2^-11, 2^-8 of the element), the sums stay float32.
+The cases, random blocks and references live in benchmarks/quant_cases.py (shared with
+benchmarks/gpu_check_quant.py).
 """
 
 from __future__ import annotations
@@ -15,68 +12,29 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
 
+from benchmarks.quant_cases import (
+    BF16,
+    CASES,
+    F16,
+    F32,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    TOLERANCE,
+    random_blocks,
+    reference_weight,
+)
 from tests.worker.interpret import run_under_interpreter
-from worker_service.models.quant import dequantize_blocks
 
 CHILD_FLAG = "TESSERA_QUANT_TRITON_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
-HALF_OFFSETS = {Q4_0: [0], Q4_1: [0, 2], Q8_0: [0], Q4_K: [0, 2], Q6_K: [208]}
-# (format, M, N, K): M tails 1 and 3 (the no-dot path), 17 and 33 (tl.dot, a partial tile);
-# odd N spilling over a 32- or 64-column tile; several K: under one 128-input chunk of the
-# main loop, whole chunks, chunks and a remainder (288, 160); K-quants 1 and 2 super-blocks
-CASES = [
-    (Q4_0, 1, 37, 96),
-    (Q4_0, 3, 33, 288),
-    (Q4_0, 17, 65, 32),
-    (Q4_0, 33, 7, 96),
-    (Q4_1, 1, 65, 256),
-    (Q4_1, 3, 37, 32),
-    (Q4_1, 17, 33, 96),
-    (Q4_1, 33, 7, 64),
-    (Q8_0, 1, 33, 32),
-    (Q8_0, 3, 65, 96),
-    (Q8_0, 17, 37, 160),
-    (Q8_0, 33, 7, 64),
-    (Q4_K, 1, 37, 256),
-    (Q4_K, 3, 7, 512),
-    (Q4_K, 17, 33, 256),
-    (Q4_K, 33, 65, 256),
-    (Q6_K, 1, 33, 512),
-    (Q6_K, 3, 37, 256),
-    (Q6_K, 17, 7, 256),
-    (Q6_K, 33, 65, 256),
-]
 DTYPES = [F32, F16, BF16]
 NUM_CHILD_TESTS = len(CASES) * len(DTYPES) + 5
-
-
-def random_blocks(n: int, k: int, ggml_type: int, gen: torch.Generator) -> torch.Tensor:
-    """[n, k / QK * bytes] uint8: random bytes, the float16 fields set to N(0, 0.02)."""
-    from worker_service.models.quant_triton import LAYOUT
-
-    qk, nbytes, _ = LAYOUT[ggml_type]
-    raw = torch.randint(0, 256, (n, k // qk, nbytes), generator=gen, dtype=torch.uint8)
-    for offset in HALF_OFFSETS[ggml_type]:
-        half = (torch.randn(n, k // qk, 1, generator=gen) * 0.02).half()
-        raw[..., offset : offset + 2] = half.view(torch.uint8)
-    return raw.reshape(n, -1)
-
-
-def reference_weight(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """[n, k] float32, as ggml dequantizes."""
-    if ggml_type in (Q4_0, Q4_1, Q8_0):
-        return dequantize_blocks(blocks, ggml_type)
-    from gguf import GGMLQuantizationType, quants
-
-    values = quants.dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))
-    return torch.from_numpy(np.asarray(values)).float()
 
 
 def check(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:

@@ -20,6 +20,7 @@ import grpc
 import httpx
 import pytest
 
+from benchmarks.tiny_vlm import build_tiny_llava, png_bytes, sample_image
 from gateway.errors import InvalidRequest
 from gateway.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP, MAX_STOP_CHARS
 from gateway.tokenizer import Tokenizer
@@ -27,7 +28,6 @@ from services.grpc_interceptors import redact_addresses
 from services.pb import generate_pb2 as pb
 from tests.gateway.conftest import API_KEY, Stack, start_stack, tokenizer  # noqa: F401
 from tests.gateway.fake_engine import MODEL_NAME
-from tests.multimodal.tiny_vlm import build_tiny_llava, png_bytes, sample_image
 
 pytestmark = pytest.mark.slow
 SERVICE = "/tessera.v1.TextGeneration/"

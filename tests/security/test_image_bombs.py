@@ -24,6 +24,12 @@ import psutil
 import pytest
 from PIL import Image
 
+from benchmarks.stack import REPO, wait_healthy
+from benchmarks.tiny_vlm import (
+    BUILDERS,
+    png_bytes,
+    sample_image,
+)
 from services.config import SecurityConfig
 from services.grpc_utils import sync_channel
 from services.pb import generate_pb2 as pb
@@ -31,12 +37,6 @@ from services.pb import generate_pb2_grpc as pb_grpc
 from services.security import API_KEY_ENV, TOKEN_ENV
 from tests.conftest import free_port
 from tests.gateway.fake_engine import MODEL_NAME, FakeEngine, start_fake_engine
-from tests.multimodal.tiny_vlm import (
-    BUILDERS,
-    png_bytes,
-    sample_image,
-)
-from tests.stack.harness import REPO, wait_healthy
 
 pytestmark = pytest.mark.slow
 BOMBS = [(400000, 1), (1, 400000)]

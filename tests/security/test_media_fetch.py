@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.tiny_vlm import png_bytes, sample_image
 from gateway.errors import InvalidRequest
 from gateway.fetch import MediaFetcher, is_global_unicast, resolve
-from tests.multimodal.tiny_vlm import png_bytes, sample_image
 
 PNG = png_bytes(sample_image(9))
 LOOPBACK = ("127.0.0.0/8", "::1/128")

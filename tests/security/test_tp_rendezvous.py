@@ -26,6 +26,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+from benchmarks.stack import REPO, beyond_loopback, start_stack, tree_sockets
 from services.config import SecurityConfig
 from services.grpc_utils import sync_channel
 from services.pb import rendezvous_pb2 as pb
@@ -33,7 +34,6 @@ from services.pb import rendezvous_pb2_grpc as pb_grpc
 from services.security import TOKEN_ENV
 from tests.conftest import free_port
 from tests.security.test_internal_auth import pki  # noqa: F401 (a fixture)
-from tests.stack.harness import REPO, beyond_loopback, start_stack, tree_sockets
 from worker_service.rendezvous import MAX_STORE_BYTES, RemoteStore, StoreServer
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,11 +15,11 @@ import grpc
 import openai
 import pytest
 
+from benchmarks.stack import Stack, start_stack
 from services.grpc_utils import sync_channel
 from services.pb import generate_pb2 as pb
 from services.pb import generate_pb2_grpc as pb_grpc
 from services.step_types import SchedulerStats
-from tests.stack.harness import Stack, start_stack
 from tests.stack.test_serve_e2e import scheduler_stats, wait_idle
 
 pytestmark = pytest.mark.slow

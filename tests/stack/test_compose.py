@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.stack.harness import REPO, Stack, start_stack
+from benchmarks.stack import REPO, Stack, start_stack
 
 COMPOSE = REPO / "compose.yaml"
 ENV_FILE = REPO / ".env"

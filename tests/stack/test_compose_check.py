@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.stack import REPO
 from scripts.compose_check import NO_ENGINE
 from scripts.compose_image import HOST_MOUNT, mount_host_paths, pip_conf, pip_settings
-from tests.stack.harness import REPO
 
 
 def test_host_paths_move_under_the_mount_and_local_indexes_bring_their_files(

@@ -30,11 +30,11 @@ from benchmarks.dp_bench import (
     shared_prefix_workload,
     start_dp_server,
 )
+from benchmarks.stack import REPO, beyond_loopback, tree_sockets
 from services.healthcheck import http_healthy
 from services.security import TOKEN_ENV
 from tessera.launcher import terminate
 from tests.conftest import free_port
-from tests.stack.harness import REPO, beyond_loopback, tree_sockets
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from benchmarks.stack import start_stack
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.tokenizer import Tokenizer
-from tests.stack.harness import start_stack
 from tests.worker.tiny_dense import NEW_TOKENS
 from tests.worker.tiny_families import (
     ALL_FAMILIES,

@@ -20,9 +20,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from benchmarks.stack import Stack, start_stack
 from services.grpc_utils import sync_channel
 from services.pb import engine_pb2, engine_pb2_grpc
-from tests.stack.harness import Stack, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.stack.harness import Stack, start_stack
+from benchmarks.stack import Stack, start_stack
 
 pytestmark = pytest.mark.slow
 

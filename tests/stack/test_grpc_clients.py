@@ -20,7 +20,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.stack.harness import REPO, Stack, start_stack
+from benchmarks.stack import REPO, Stack, start_stack
 
 pytestmark = pytest.mark.slow
 CLIENTS = REPO / "examples" / "clients"

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.stack import Stack, start_stack
 from tests.lora_fixtures import build_tiny_llama, make_adapter, peft_greedy
-from tests.stack.harness import Stack, start_stack
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 32

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.stack import Stack, start_stack
 from tests.gateway.metrics_scrape import (
     PER_REQUEST_HISTOGRAMS,
     check_vllm_series,
@@ -18,7 +19,6 @@ from tests.gateway.metrics_scrape import (
     families,
     total,
 )
-from tests.stack.harness import Stack, start_stack
 from tests.stack.test_serve_e2e import QUESTION, wait_idle
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ from typing import Any
 import openai
 import pytest
 
+from benchmarks.stack import Stack, start_stack
 from services.types import SamplingParams
-from tests.stack.harness import Stack, start_stack
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32

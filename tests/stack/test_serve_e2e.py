@@ -15,11 +15,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from benchmarks.stack import Stack, start_stack
 from services.convert import from_proto
 from services.grpc_utils import sync_channel
 from services.pb import engine_pb2, engine_pb2_grpc
 from services.step_types import SchedulerStats
-from tests.stack.harness import Stack, start_stack
 
 pytestmark = pytest.mark.slow
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]

@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from benchmarks.spec_workload import repetitive_chats
+from benchmarks.stack import Stack, start_stack
 from services.types import SamplingParams
 from tessera import LLM
-from tests.stack.harness import Stack, start_stack
 
 pytestmark = pytest.mark.slow
 

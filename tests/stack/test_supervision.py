@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.stack.harness import start_stack
+from benchmarks.stack import start_stack
 
 pytestmark = pytest.mark.slow
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}

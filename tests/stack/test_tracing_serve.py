@@ -12,10 +12,10 @@ import grpc
 import openai
 import pytest
 
+from benchmarks.stack import Stack, start_stack
 from services.pb import generate_pb2 as pb
 from services.pb import generate_pb2_grpc as pb_grpc
 from tests.otlp_collector import OtlpCollector, ReceivedSpan
-from tests.stack.harness import Stack, start_stack
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.worker.test_attention_reference import BATCHES, build_case, dense_attention, tolerance
+from benchmarks.attention_cases import BATCHES, build_case, dense_attention, tolerance
 from worker_service.attention import cpu_kernel
 from worker_service.attention.cpu import DECODE_GROUP, CpuAttentionBackend
 

@@ -14,27 +14,21 @@ import os
 import pytest
 import torch
 
+from benchmarks.attention_cases import (
+    ATTENTION_CASES,
+    BF16,
+    F16,
+    F32,
+    TRITON_BATCHES,
+    PagedCase,
+    build_case,
+)
 from tests.worker.interpret import run_under_interpreter
-from tests.worker.test_attention_reference import BATCHES, PagedCase, build_case
 from worker_service.attention.reference import ReferenceAttentionBackend
 
 CHILD_FLAG = "TESSERA_TRITON_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1"
 
-TRITON_BATCHES = {
-    **BATCHES,
-    "long": [(45, 70), (100, 1), (0, 33)],  # several query blocks and key tiles per request
-    "empty_requests": [(10, 3), (0, 0), (20, 1), (5, 0)],  # padding rows (no new tokens)
-}
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-# (batch, kv heads, query heads per kv head, block size, dtype, head_dim)
-ATTENTION_CASES = [
-    *[(b, 2, g, bs, F32, 64) for b in sorted(TRITON_BATCHES) for g in (1, 3) for bs in (16, 32)],
-    *[(b, 2, g, 16, BF16, 64) for b in sorted(BATCHES) for g in (1, 3)],
-    *[("mixed", 2, g, 32, BF16, 64) for g in (1, 3)],
-    *[("mixed", 2, 3, bs, F16, 64) for bs in (16, 32)],
-    *[(b, 1, 3, 16, dt, 128) for b in ("mixed", "prefill_with_prefix") for dt in (F32, BF16)],
-]
 WRITE_CASES = [(F32, 16, 64), (BF16, 32, 64), (F16, 16, 128)]
 TILE_CASES = [(16, 32), (64, 16)]  # (tile_n, block_size): tiles inside one block / spanning 4
 # (batch, sliding window, query heads per kv head, block size): windows inside one key tile,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.attention_cases import PagedCase, build_case, dense_attention
 from tests.worker.test_attention_cpu import FAR, MANY_DECODES, make_backend
-from tests.worker.test_attention_reference import PagedCase, build_case, dense_attention
 from worker_service import native
 from worker_service.attention import cpu_kernel, kv_quant
 from worker_service.attention.reference import ReferenceAttentionBackend

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
+from benchmarks.attention_cases import dense_attention
 from tests.worker.interpret import run_under_interpreter
-from tests.worker.test_attention_reference import dense_attention
 from tests.worker.test_kv_quant import KV_DTYPES, quantized_case, tolerance
 from worker_service.attention import kv_quant
 from worker_service.attention.reference import ReferenceAttentionBackend

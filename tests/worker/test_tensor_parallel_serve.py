@@ -13,8 +13,8 @@ from typing import Any
 import openai
 import pytest
 
+from benchmarks.stack import Stack, start_stack
 from tests.hf_reference import hf_greedy
-from tests.stack.harness import Stack, start_stack
 from tests.stack.test_parity import QUESTIONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # two stacks and HF, float32

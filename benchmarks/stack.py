@@ -1,4 +1,5 @@
-"""Run `tessera serve` as a real process tree on free loopback ports, for end-to-end tests."""
+"""Run `tessera serve` as a real process tree on free loopback ports, for end-to-end tests
+and benchmarks (no test-only imports, so it works from an installed wheel)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from typing import Any
 import httpx
 import psutil
 
+from benchmarks.soak import free_port
 from services.config import SecurityConfig
 from services.security import TOKEN_ENV
-from tests.conftest import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 INTERNAL_TOKEN = "stack-test-internal-token"  # given to `tessera serve` by TESSERA_INTERNAL_TOKEN
 
 
