@@ -4,15 +4,18 @@ A few K channels carry outliers far larger than the rest, so one amax scale per 
 spends most of the 8-bit range on them. Rotating each K row by a fixed orthogonal matrix H
 (the normalized Sylvester Hadamard matrix, head_dim x head_dim) spreads every channel over all
 of them before quantizing; rotating every query by the same H leaves the scores unchanged,
-(q H)(k H)^T = q H H^T k^T = q k^T. Perplexity of the default model over an int8 cache:
-1.0128x the model-dtype cache without the rotation, ~1.003x with it (benchmarks.quality).
+(q H)(k H)^T = q H H^T k^T = q k^T. Perplexity of the default model over an int8 cache
+against the model-dtype cache, before -> K rotated -> K and V rotated (ROTATE_V, the output
+rotated back, P (v H) H^T = P v): benchmarks.quality (whole text, 512-token windows) bf16
+1.0057x -> 1.0045x -> 0.9997x, fp32 1.0020x -> 1.0035x -> 0.9998x; the 600-token sample of
+tests/offline/test_kv_cache_dtype (bf16) 1.013x -> 1.0032x -> 1.0114x, greedy agreement with
+the auto cache 4/8 -> 4/8 -> 2/8. V stays unrotated: its gain did not hold on both texts.
 
 The backends' shared entry points (AttentionBackend.write_kv / forward) apply it, so every
 backend, prefix-cached block, chunked prefill and decode step sees the same rotated K. Only
 int8 pools are rotated: a model-dtype pool, an fp8_e4m3 pool (a float format keeps ~1/16 of
 each value, outlier or not; spreading the outlier only enlarges every value and its error),
-or a head_dim that is not a power of two (no Sylvester matrix) keeps K as it is. V is not
-rotated (ROTATE_V: measured, it did not help).
+or a head_dim that is not a power of two (no Sylvester matrix) keeps K as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import functools
 
 import torch
 
-# Rotate V as well (and the attention output back by H^T): off, perplexity did not improve.
+# Rotate V as well (and the attention output back by H^T): off, mixed results (module doc).
 ROTATE_V = False
 
 
