@@ -56,9 +56,10 @@ def test_greedy_agrees_with_the_model_dtype_cache(llms: dict[str, LLM], kv: str)
     assert llms[kv].stats().num_blocks_used == 0  # every block came back
 
 
-# Measured on this 600-token sample (bf16): int8 1.013x, fp8 1.016x; the 1% target is the
-# quality benchmark's (the whole text, 512-token windows).
-@pytest.mark.parametrize("kv,bound", [("int8", 1.02), ("fp8_e4m3", 1.03)])
+# Measured on this 600-token sample (bf16): int8 1.0032x with K Hadamard-rotated
+# (attention.kv_rotation; 1.013x before it), fp8 1.016x; the 1% target is the quality
+# benchmark's (the whole text, 512-token windows).
+@pytest.mark.parametrize("kv,bound", [("int8", 1.01), ("fp8_e4m3", 1.03)])
 def test_perplexity_within_bound_of_the_model_dtype_cache(
     llms: dict[str, LLM], kv: str, bound: float
 ) -> None:

@@ -11,7 +11,7 @@ import torch
 from benchmarks.attention_cases import PagedCase, build_case, dense_attention
 from tests.worker.test_attention_cpu import FAR, MANY_DECODES, make_backend
 from worker_service import native
-from worker_service.attention import cpu_kernel, kv_quant
+from worker_service.attention import cpu_kernel, kv_quant, kv_rotation
 from worker_service.attention.reference import ReferenceAttentionBackend
 
 KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -28,13 +28,23 @@ def quantized_case(
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
 ) -> PagedCase:
-    """build_case with quantized pools (unused slots FAR, quantized too) and, as ground
-    truth, each request's K/V as the pool holds them: dequantized to float32."""
+    """build_case with quantized pools (unused slots FAR, quantized too; K Hadamard-rotated
+    as write_kv stores it, where the head size allows) and, as ground truth, each request's
+    K/V as the pool holds them: dequantized to float32, K rotated back (unrotated scores)."""
     case = build_case(requests, num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype)
-    case.k_cache = kv_quant.quantize(case.k_cache.nan_to_num(FAR), kv_dtype)
-    case.v_cache = kv_quant.quantize(case.v_cache.nan_to_num(FAR), kv_dtype)
-    for full in (case.full_keys, case.full_values):
-        full[:] = [kv_quant.dequantize(kv_quant.quantize(t, kv_dtype), torch.float32) for t in full]
+    rotated = kv_rotation.applies(torch.empty(0, dtype=kv_dtype), head_dim)
+    spin = kv_rotation.rotate if rotated else (lambda t: t)
+    vspin = spin if kv_rotation.ROTATE_V else (lambda t: t)
+    case.k_cache = kv_quant.quantize(spin(case.k_cache.nan_to_num(FAR)), kv_dtype)
+    case.v_cache = kv_quant.quantize(vspin(case.v_cache.nan_to_num(FAR)), kv_dtype)
+    case.full_keys[:] = [
+        spin(kv_quant.dequantize(kv_quant.quantize(spin(t), kv_dtype), torch.float32))
+        for t in case.full_keys
+    ]
+    case.full_values[:] = [
+        vspin(kv_quant.dequantize(kv_quant.quantize(vspin(t), kv_dtype), torch.float32))
+        for t in case.full_values
+    ]
     return case
 
 
@@ -132,7 +142,8 @@ def test_write_kv_stores_what_quantize_gives(kv: str) -> None:
     )
     flat = kv_quant.flat_pool(case.k_cache).view(torch.uint8)
     slots = case.meta.slot_mapping
-    expected = kv_quant.quantize(case.key, KV_DTYPES[kv]).view(torch.uint8)
+    key = kv_rotation.rotate(case.key) if kv == "int8" else case.key  # fp8: unrotated
+    expected = kv_quant.quantize(key, KV_DTYPES[kv]).view(torch.uint8)
     assert torch.equal(flat[slots], expected)
     untouched = torch.ones(flat.shape[0], dtype=torch.bool)
     untouched[slots] = False

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker_service.attention import kv_rotation
+
 
 @dataclass
 class AttentionMetadata:
@@ -56,7 +58,6 @@ class AttentionBackend(abc.ABC):
         (bit-exact bf16 runs); backends with nothing to change keep this no-op."""
         return None
 
-    @abc.abstractmethod
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -65,9 +66,25 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> None:
-        """Store each token's K and V at its slot (in place)."""
+        """Store each token's K and V at its slot (in place). An int8 pool stores K (and V
+        with kv_rotation.ROTATE_V) rotated by the Hadamard matrix (kv_rotation)."""
+        if kv_rotation.applies(k_cache, key.shape[-1]):
+            key = kv_rotation.rotate(key)
+            if kv_rotation.ROTATE_V:
+                value = kv_rotation.rotate(value)
+        self._write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     @abc.abstractmethod
+    def _write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """write_kv's store, of K/V as given (already rotated for an int8 pool)."""
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -84,3 +101,23 @@ class AttentionBackend(abc.ABC):
         including itself (HF: q_pos - k_pos < window); blocks before that may have been freed.
         With `softcap` > 0, scaled scores are soft-capped: softcap * tanh(score / softcap).
         Call after write_kv for the same step."""
+        if not kv_rotation.applies(k_cache, query.shape[-1]):
+            return self._forward(query, k_cache, v_cache, meta, scale, window, softcap)
+        # An int8 pool holds K rotated by H: q H against it gives the same scores as q k^T.
+        out = self._forward(
+            kv_rotation.rotate(query), k_cache, v_cache, meta, scale, window, softcap
+        )
+        return kv_rotation.rotate(out) if kv_rotation.ROTATE_V else out  # out H^T = out H
+
+    @abc.abstractmethod
+    def _forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """forward's attention, of the query as given (already rotated for an int8 pool)."""

@@ -77,7 +77,7 @@ class CpuAttentionBackend(AttentionBackend):
         """HF's decode call (enable_gqa, one query row): folding rounds bf16 differently."""
         self.fold_gqa = False
 
-    def write_kv(
+    def _write_kv(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -93,7 +93,7 @@ class CpuAttentionBackend(AttentionBackend):
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
-    def forward(
+    def _forward(
         self,
         query: torch.Tensor,
         k_cache: torch.Tensor,
@@ -104,7 +104,7 @@ class CpuAttentionBackend(AttentionBackend):
         softcap: float = 0.0,
     ) -> torch.Tensor:
         if softcap > 0:  # SDPA cannot soft-cap scores: the plain-torch path (slower)
-            return self._reference.forward(query, k_cache, v_cache, meta, scale, window, softcap)
+            return self._reference._forward(query, k_cache, v_cache, meta, scale, window, softcap)
         use_kernel = self.decode_kernel and query.dtype in cpu_kernel.DTYPES
         plan = self._get_plan(meta, k_cache.shape[1], use_kernel, window)
         if len(plan.decode) == 1 and plan.decode[0].contiguous and not plan.prefills:

@@ -59,7 +59,7 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     name = "reference"
 
-    def write_kv(
+    def _write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -73,7 +73,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         kv_quant.write(key[keep], k_cache, slots)  # quantized first in a quantized pool
         kv_quant.write(value[keep], v_cache, slots)
 
-    def forward(
+    def _forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]

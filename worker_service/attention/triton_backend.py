@@ -20,7 +20,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def write_kv(
+    def _write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -38,7 +38,7 @@ class TritonAttentionBackend(AttentionBackend):
             _check_same_dtype(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
         triton_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(
+    def _forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
