@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from benchmarks.attention_cases import PagedCase, build_case
 from tests.worker.test_attention_cpu import make_backend
-from tests.worker.test_attention_reference import PagedCase, build_case
 from worker_service.attention import kv_quant, kv_rotation
 from worker_service.attention.reference import (
     ReferenceAttentionBackend,
