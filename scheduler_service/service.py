@@ -47,9 +47,9 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
 
     The engine thread hands each step's outputs to the event loop with one
     `call_soon_threadsafe`; they are routed by request id to the Session of
-    their GenerateStream call (one message per step for all of its requests). A call that ends before
-    its requests finished (the caller cancelled or went away) aborts them,
-    which frees their blocks.
+    their GenerateStream call (one message per step for all of its requests).
+    A call that ends before its requests finished (the caller cancelled or went
+    away) aborts them, which frees their blocks.
     """
 
     def __init__(self, engine: EngineCore) -> None:

@@ -85,13 +85,8 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        if kv_quant.is_quantized(k_cache):
-            kv_quant.write(key, k_cache, slot_mapping)
-            kv_quant.write(value, v_cache, slot_mapping)
-            return
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        kv_quant.write(key, k_cache, slot_mapping)  # quantized first in a quantized pool
+        kv_quant.write(value, v_cache, slot_mapping)
 
     def _forward(
         self,
@@ -139,8 +134,9 @@ class CpuAttentionBackend(AttentionBackend):
         n, heads = query.shape[0], query.shape[1]
         kv_heads, head_dim = k_cache.shape[2], query.shape[2]
         flat = group.block_table.view(-1)  # [n * blocks]
-        k = _gather(k_cache, flat, query.dtype).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
-        v = _gather(v_cache, flat, query.dtype).view(n, -1, kv_heads, head_dim)[:, : group.max_seq]
+        k = kv_quant.gather(k_cache, flat, query.dtype).view(n, -1, kv_heads, head_dim)
+        v = kv_quant.gather(v_cache, flat, query.dtype).view(n, -1, kv_heads, head_dim)
+        k, v = k[:, : group.max_seq], v[:, : group.max_seq]
         if not self.fold_gqa:
             out = F.scaled_dot_product_attention(
                 query.unsqueeze(2),  # [n, heads, 1, head_dim]
@@ -171,8 +167,12 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         kv_heads, head_dim = k_cache.shape[2], query.shape[2]
-        k = _gather(k_cache, p.blocks, query.dtype).view(-1, kv_heads, head_dim)[: p.seq_len]
-        v = _gather(v_cache, p.blocks, query.dtype).view(-1, kv_heads, head_dim)[: p.seq_len]
+        k = kv_quant.gather(k_cache, p.blocks, query.dtype).view(-1, kv_heads, head_dim)[
+            : p.seq_len
+        ]
+        v = kv_quant.gather(v_cache, p.blocks, query.dtype).view(-1, kv_heads, head_dim)[
+            : p.seq_len
+        ]
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # [1, heads, query_len, head_dim]
             k.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
@@ -193,17 +193,6 @@ class CpuAttentionBackend(AttentionBackend):
         if plan is None:
             plan = self._plans[window] = build_plan(meta, block_size, use_kernel, window)
         return plan
-
-
-def _gather(
-    cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, slot width]
-    blocks: torch.Tensor,  # [n] block ids
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [n, block_size, kv_heads, head_dim] of dtype
-    """The blocks `blocks` of a pool, dequantized to `dtype` when the pool is quantized."""
-    if not kv_quant.is_quantized(cache):
-        return cache.index_select(0, blocks)
-    return kv_quant.dequantize(kv_quant.index_select(cache, blocks), dtype)
 
 
 def build_plan(

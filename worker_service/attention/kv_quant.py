@@ -73,9 +73,14 @@ def dequantize(
     return (values * scales(packed).unsqueeze(-1)).to(dtype)
 
 
-def as_model_dtype(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows read from a pool: dequantized to `dtype` from a quantized pool, else as they are."""
-    return dequantize(cache_rows, dtype) if is_quantized(cache_rows) else cache_rows
+def gather(
+    cache: torch.Tensor,  # [n_rows, ..., slot width] (a pool, or a flat view of one)
+    index: torch.Tensor,  # [n] row ids
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [n, ..., head_dim]
+    """Rows `index` of a pool, dequantized to `dtype` from a quantized pool, else as they are."""
+    rows = index_select(cache, index)
+    return dequantize(rows, dtype) if is_quantized(rows) else rows
 
 
 def flat_pool(cache: torch.Tensor) -> torch.Tensor:

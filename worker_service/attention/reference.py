@@ -92,8 +92,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         ):
             slots = request_slots(meta.block_table[i], seq_len, block_size)  # [seq_len]
             rows = slice(start, start + q_len)
-            k = kv_quant.as_model_dtype(kv_quant.index_select(flat_k, slots), query.dtype)
-            v = kv_quant.as_model_dtype(kv_quant.index_select(flat_v, slots), query.dtype)
+            k = kv_quant.gather(flat_k, slots, query.dtype)
+            v = kv_quant.gather(flat_v, slots, query.dtype)
             out[rows] = causal_attention(query[rows], k, v, scale, window, softcap)
             start += q_len
         return out

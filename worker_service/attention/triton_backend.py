@@ -13,8 +13,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     Expects CUDA tensors (or CPU tensors when the kernels were built under
     TRITON_INTERPRET=1). Query, K/V and the pools share one dtype (float32, float16 or
-    bfloat16), or the pools are quantized (int8 / float8_e4m3fn with scales, kv_quant); every tensor's last dimension must be contiguous; num_heads must be a
-    multiple of num_kv_heads. Metadata used: query_start_loc, seq_lens, block_table,
+    bfloat16), or the pools are quantized (int8 / float8_e4m3fn with scales, kv_quant);
+    every tensor's last dimension must be contiguous; num_heads must be a multiple of
+    num_kv_heads. Metadata used: query_start_loc, seq_lens, block_table,
     slot_mapping (write_kv) and max_query_len; nothing is read back to the host.
     """
 
