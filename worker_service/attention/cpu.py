@@ -85,8 +85,13 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        kv_quant.write(key, k_cache, slot_mapping)  # quantized first in a quantized pool
-        kv_quant.write(value, v_cache, slot_mapping)
+        if kv_quant.is_quantized(k_cache):
+            kv_quant.write(key, k_cache, slot_mapping)
+            kv_quant.write(value, v_cache, slot_mapping)
+            return
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]  # the hot path: no checks
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     def _forward(
         self,
