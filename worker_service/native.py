@@ -21,18 +21,32 @@ from pathlib import Path
 import torch
 
 from services.default_model import cache_root
+from worker_service.cpu_kernels import read_cpu_info
 
 log = logging.getLogger(__name__)
 
 # torch's CPU capability -> the matching x86-64 level; elsewhere the compiler's default.
-MARCH = {"AVX2": ["-march=x86-64-v3"], "AVX512": ["-march=x86-64-v4"]}
+MARCH = {
+    "AVX2": ["-march=x86-64-v3"],
+    "AVX512": ["-march=x86-64-v4"],
+    "AVX512_BF16": ["-march=x86-64-v4", "-mavx512bf16"],  # AVX-512 with bf16 dot products
+}
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf in loops)
 
 
+def cpu_level() -> str:
+    """This CPU's MARCH key: torch's CPU capability (ATEN_CPU_CAPABILITY lowers it), raised
+    to AVX512_BF16 where an AVX-512 CPU has bf16 dot products."""
+    level = torch.backends.cpu.get_cpu_capability()
+    if level == "AVX512" and "avx512_bf16" in read_cpu_info().flags:
+        return "AVX512_BF16"
+    return level
+
+
 def compile_flags(level: str | None = None) -> list[str]:
     """Flags for `level` (a MARCH key; "" for the compiler's default), by default this CPU's."""
-    level = torch.backends.cpu.get_cpu_capability() if level is None else level
+    level = cpu_level() if level is None else level
     return [*FLAGS, *MARCH.get(level, []), *LIBS]
 
 

@@ -1,6 +1,6 @@
-// AVX-512 (16 float32 lanes) behind one small interface for the decode kernel's inner loops.
-// TESSERA_SIMD is 0 elsewhere (AVX2 measured no faster this way: its gathers cost what they
-// save); callers then keep their portable loops.
+// AVX-512 (16 float32 lanes) behind one small interface for the decode kernel's inner loops,
+// and AVX512-BF16's pair dot products where the build has them (TESSERA_BF16). TESSERA_SIMD is
+// 0 elsewhere; callers then keep their portable loops (which the compiler vectorizes).
 #pragma once
 
 #include <cstdint>
@@ -38,21 +38,53 @@ struct Simd {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static void store_first(float* p, V v, int64_t n) {  // lanes 0..n-1 only
-    _mm512_mask_storeu_ps(p, n >= W ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), v);
+  static __mmask16 first(int64_t n) {  // lanes 0..n-1
+    return n >= W ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   }
+  static void store_first(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
 
-  // Lane i = the sum of the lanes of vector i of the W vectors at v, added in lane order as
-  // a scalar loop over the lanes would (so the scores keep the portable loop's rounding):
-  // one gathered column of the W x W block a step.
-  static V sum_lanes_in_order(const float* v) {
-    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160,
-                                             176, 192, 208, 224, 240);
-    V sum = _mm512_i32gather_ps(column, v, 4);
-    for (int l = 1; l < W; ++l) sum = _mm512_add_ps(sum, _mm512_i32gather_ps(column, v + l, 4));
-    return sum;
+  // Lane o = the sum of the lanes of v[perm(o)] (a transposing tree: 15 adds, 30 shuffles),
+  // where perm(o) = 4 * (o % 4) + o / 4 (its own inverse): callers put row o's vector in
+  // v[perm(o)] to get lane o = row o's sum.
+  static V sum_lanes(const float* v) {  // v: 16 vectors, one after the other
+    V w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i) {  // halves: vector 2i's 8 partial sums, then 2i + 1's
+      const V a = load(v + 32 * i), b = load(v + 32 * i + 16);
+      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int i = 0; i < 4; ++i)  // quarters: 4 partials of vectors 4i .. 4i + 3
+      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+      y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
   }
+  static constexpr int perm(int o) { return 4 * (o % 4) + o / 4; }
+};
+
+#if defined(__AVX512BF16__)
+#define TESSERA_BF16 1
+
+// bf16 pair dot products (vdpbf16ps): lane i += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] in
+// float32, over 32 bf16 elements a vector.
+struct Bf16Dots {
+  using P = __m512bh;
+  static P load(const uint16_t* p) { return (P)_mm512_loadu_si512(p); }
+  static P zero() { return (P)_mm512_setzero_si512(); }
+  static P pair(uint32_t two) { return (P)_mm512_set1_epi32(int(two)); }  // every lane: a pair
+  static __m512 dot(__m512 acc, P a, P b) { return _mm512_dpbf16_ps(acc, a, b); }
+  // Rows a and b as (a[d], b[d]) pairs: `lo` holds d = 8L + i and `hi` d = 8L + 4 + i in
+  // lane 4L + i (i < 4) of each 32-element chunk, as vpunpck{l,h}wd interleave.
+  static P lo(P a, P b) { return (P)_mm512_unpacklo_epi16((__m512i)a, (__m512i)b); }
+  static P hi(P a, P b) { return (P)_mm512_unpackhi_epi16((__m512i)a, (__m512i)b); }
+  // The element of a 32-element chunk that position k (< 32) of lo (k < 16) then hi holds.
+  static constexpr int64_t dim_at(int64_t k) { return 8 * ((k % 16) / 4) + 4 * (k / 16) + k % 4; }
 };
 #else
+#define TESSERA_BF16 0
+#endif
+#else
 #define TESSERA_SIMD 0
+#define TESSERA_BF16 0
 #endif
