@@ -83,7 +83,8 @@ def measure(
         for flat in flats:
             flat.sum()
 
-    call(), read()
+    call()
+    read()
     kernel, summed = [], []
     for _ in range(repeats):
         kernel.append(median_seconds(call, 1, inner=2) / len(steps))
