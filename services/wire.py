@@ -1,0 +1,1014 @@
+"""Domain types of the wire messages and their converters.
+
+Generated from protos/ by scripts/gen_wire_types.py (`make proto`); do not edit. Fields,
+types and defaults come from the .proto files (defaults: protos/options.proto), behaviour
+from services/wire_rules.py. Import the types from services.types / services.step_types and
+convert with services.convert.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+from google.protobuf.message import Message
+
+from services import wire_rules as rules
+from services.pb import engine_pb2, tensor_pb2, worker_pb2
+from services.wire_rules import StructuredOutputParams
+
+M = TypeVar("M", bound=Message)
+T = TypeVar("T")
+
+
+def _fill_each(
+    field: RepeatedCompositeFieldContainer[M], items: Iterable[T], fill: Callable[[M, T], None]
+) -> None:
+    add = field.add
+    for item in items:
+        fill(add(), item)
+
+
+class FinishReason(rules.FinishReasonRules, enum.IntEnum):
+    """tessera.v1.FinishReason (engine.proto)."""
+
+    UNSPECIFIED = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams(rules.SamplingParamsRules):
+    """tessera.v1.SamplingParams (engine.proto)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutputParams | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CudaIpcLocation:
+    """tessera.v1.CudaIpcLocation (tensor.proto)."""
+
+    device_index: int = 0
+    ipc_memory_handle: bytes = b""
+    storage_size_bytes: int = 0
+    storage_offset_bytes: int = 0
+    tensor_offset: int = 0
+    stride: tuple[int, ...] = ()
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMemoryLocation:
+    """tessera.v1.SharedMemoryLocation (tensor.proto)."""
+
+    name: str = ""
+    offset: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TensorHandle(rules.TensorHandleRules):
+    """tessera.v1.TensorHandle (tensor.proto)."""
+
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    cuda_ipc: CudaIpcLocation | None = None
+    shared_memory: SharedMemoryLocation | None = None
+    inline_bytes: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """tessera.v1.MultiModalInput (engine.proto)."""
+
+    modality: str = "image"
+    offset: int = 0
+    length: int = 0
+    content_hash: str = ""
+    tensor: TensorHandle | None = None
+    grid_thw: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams(rules.PoolingParamsRules):
+    """tessera.v1.PoolingParams (engine.proto)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest(rules.LoRARequestRules):
+    """tessera.v1.LoRARequest (engine.proto)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """tessera.v1.EngineCoreRequest (engine.proto)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str = ""
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TokenLogprobs(rules.TokenLogprobsRules):
+    """tessera.v1.TokenLogprobs (engine.proto)."""
+
+    token_id: int = 0
+    logprob: float = 0.0
+    rank: int = 0
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestTimestamps:
+    """tessera.v1.RequestTimestamps (engine.proto)."""
+
+    queued: float = 0.0
+    scheduled: float = 0.0
+    first_token: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineCoreOutput(rules.EngineCoreOutputRules):
+    """tessera.v1.EngineCoreOutput (engine.proto)."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    timestamps: RequestTimestamps = field(default_factory=RequestTimestamps)
+    error: str = ""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pooling_output: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """tessera.v1.ServerInfo (engine.proto)."""
+
+    model_name: str = ""
+    max_model_len: int = 0
+    vocab_size: int = 0
+    block_size: int = 16
+    num_blocks: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    version: str = ""
+    protocol_version: str = ""
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    enable_prefix_caching: bool = True
+    num_workers: int = 1
+    host_id: str = ""
+    runner: str = "generate"
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """tessera.v1.SchedulerStats (engine.proto)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_time_p50: float = 0.0
+    queue_time_p50: float = 0.0
+    num_finished: int = 0
+    healthy: bool = True
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    iteration_tokens_bucket_counts: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """tessera.v1.NewRequestData (worker.proto)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    resumed_from_preemption: bool = False
+    pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """tessera.v1.CachedRequestData (worker.proto)."""
+
+    request_id: str
+    new_block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+@dataclass(slots=True)
+class DraftTokens:
+    """tessera.v1.DraftTokens (worker.proto)."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """tessera.v1.SchedulerOutput (worker.proto)."""
+
+    step_id: int = 0
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    scheduled_spec_decode_tokens: list[DraftTokens] = field(default_factory=list)
+    trace_contexts: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """tessera.v1.SampledTokens (worker.proto)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """tessera.v1.PromptLogprobs (worker.proto)."""
+
+    request_id: str = ""
+    start: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerTimings:
+    """tessera.v1.WorkerTimings (worker.proto)."""
+
+    prepare_ms: float = 0.0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class PooledOutput:
+    """tessera.v1.PooledOutput (worker.proto)."""
+
+    request_id: str = ""
+    data: bytes = b""
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """tessera.v1.ModelRunnerOutput (worker.proto)."""
+
+    step_id: int = 0
+    req_ids: list[str] = field(default_factory=list)
+    sampled: list[SampledTokens] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    timings: WorkerTimings = field(default_factory=WorkerTimings)
+    request_errors: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    pooler_output: list[PooledOutput] = field(default_factory=list)
+    draft_token_ids: list[DraftTokens] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """tessera.v1.ModelInfo (worker.proto)."""
+
+    model_name: str = ""
+    max_model_len: int = 0
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+    instance_id: str = ""
+    host_id: str = ""
+    runner: str = "generate"
+    pooling_type: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """tessera.v1.KVCacheSpec (worker.proto)."""
+
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: str = ""
+    block_size: int = 16
+    bytes_per_block: int = 0
+    sliding_window: int = 0
+    length_dependent_rope: bool = False
+    rope_recompute_length: int = 0
+
+
+def _fill_sampling_params(msg: engine_pb2.SamplingParams, obj: SamplingParams) -> None:
+    msg.temperature = obj.temperature
+    msg.top_p = obj.top_p
+    msg.top_k = obj.top_k
+    msg.min_p = obj.min_p
+    if obj.seed is not None:
+        msg.seed = obj.seed
+    msg.max_tokens = 0 if obj.max_tokens is None else obj.max_tokens
+    msg.min_tokens = obj.min_tokens
+    msg.stop_token_ids.extend(obj.stop_token_ids)
+    msg.ignore_eos = obj.ignore_eos
+    msg.presence_penalty = obj.presence_penalty
+    msg.frequency_penalty = obj.frequency_penalty
+    msg.repetition_penalty = obj.repetition_penalty
+    msg.logit_bias.update(obj.logit_bias)
+    if obj.logprobs is not None:
+        msg.logprobs = obj.logprobs
+    if obj.prompt_logprobs is not None:
+        msg.prompt_logprobs = obj.prompt_logprobs
+    if obj.structured_output is not None:
+        msg.structured_output.SetInParent()
+        rules.fill_structured_output(msg.structured_output, obj.structured_output)
+
+
+def _read_sampling_params(msg: engine_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=(msg.max_tokens or None) if msg.HasField("max_tokens") else 16,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(msg.logit_bias),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        structured_output=rules.read_structured_output(msg.structured_output)
+        if msg.HasField("structured_output")
+        else None,
+    )
+
+
+def _fill_cuda_ipc_location(msg: tensor_pb2.CudaIpcLocation, obj: CudaIpcLocation) -> None:
+    msg.device_index = obj.device_index
+    msg.ipc_memory_handle = obj.ipc_memory_handle
+    msg.storage_size_bytes = obj.storage_size_bytes
+    msg.storage_offset_bytes = obj.storage_offset_bytes
+    msg.tensor_offset = obj.tensor_offset
+    msg.stride.extend(obj.stride)
+    msg.ref_counter_handle = obj.ref_counter_handle
+    msg.ref_counter_offset = obj.ref_counter_offset
+    msg.event_handle = obj.event_handle
+    msg.event_sync_required = obj.event_sync_required
+
+
+def _read_cuda_ipc_location(msg: tensor_pb2.CudaIpcLocation) -> CudaIpcLocation:
+    return CudaIpcLocation(
+        device_index=msg.device_index,
+        ipc_memory_handle=msg.ipc_memory_handle,
+        storage_size_bytes=msg.storage_size_bytes,
+        storage_offset_bytes=msg.storage_offset_bytes,
+        tensor_offset=msg.tensor_offset,
+        stride=tuple(msg.stride),
+        ref_counter_handle=msg.ref_counter_handle,
+        ref_counter_offset=msg.ref_counter_offset,
+        event_handle=msg.event_handle,
+        event_sync_required=msg.event_sync_required,
+    )
+
+
+def _fill_shared_memory_location(
+    msg: tensor_pb2.SharedMemoryLocation, obj: SharedMemoryLocation
+) -> None:
+    msg.name = obj.name
+    msg.offset = obj.offset
+    msg.nbytes = obj.nbytes
+
+
+def _read_shared_memory_location(msg: tensor_pb2.SharedMemoryLocation) -> SharedMemoryLocation:
+    return SharedMemoryLocation(
+        name=msg.name,
+        offset=msg.offset,
+        nbytes=msg.nbytes,
+    )
+
+
+def _fill_tensor_handle(msg: tensor_pb2.TensorHandle, obj: TensorHandle) -> None:
+    msg.dtype = obj.dtype
+    msg.shape.extend(obj.shape)
+    if obj.cuda_ipc is not None:
+        msg.cuda_ipc.SetInParent()
+        _fill_cuda_ipc_location(msg.cuda_ipc, obj.cuda_ipc)
+    if obj.shared_memory is not None:
+        msg.shared_memory.SetInParent()
+        _fill_shared_memory_location(msg.shared_memory, obj.shared_memory)
+    if obj.inline_bytes is not None:
+        msg.inline_bytes = obj.inline_bytes
+
+
+def _read_tensor_handle(msg: tensor_pb2.TensorHandle) -> TensorHandle:
+    return TensorHandle(
+        dtype=msg.dtype if msg.HasField("dtype") else "float32",
+        shape=tuple(msg.shape),
+        cuda_ipc=_read_cuda_ipc_location(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
+        shared_memory=_read_shared_memory_location(msg.shared_memory)
+        if msg.HasField("shared_memory")
+        else None,
+        inline_bytes=msg.inline_bytes if msg.HasField("inline_bytes") else None,
+    )
+
+
+def _fill_multi_modal_input(msg: engine_pb2.MultiModalInput, obj: MultiModalInput) -> None:
+    msg.modality = obj.modality
+    msg.offset = obj.offset
+    msg.length = obj.length
+    msg.content_hash = obj.content_hash
+    if obj.tensor is not None:
+        msg.tensor.SetInParent()
+        _fill_tensor_handle(msg.tensor, obj.tensor)
+    msg.grid_thw.extend(obj.grid_thw)
+
+
+def _read_multi_modal_input(msg: engine_pb2.MultiModalInput) -> MultiModalInput:
+    return MultiModalInput(
+        modality=msg.modality if msg.HasField("modality") else "image",
+        offset=msg.offset,
+        length=msg.length,
+        content_hash=msg.content_hash,
+        tensor=_read_tensor_handle(msg.tensor) if msg.HasField("tensor") else None,
+        grid_thw=msg.grid_thw[:],
+    )
+
+
+def _fill_pooling_params(msg: engine_pb2.PoolingParams, obj: PoolingParams) -> None:
+    if obj.dimensions is not None:
+        msg.dimensions = obj.dimensions
+    if obj.normalize is not None:
+        msg.normalize = obj.normalize
+
+
+def _read_pooling_params(msg: engine_pb2.PoolingParams) -> PoolingParams:
+    return PoolingParams(
+        dimensions=msg.dimensions if msg.HasField("dimensions") else None,
+        normalize=msg.normalize if msg.HasField("normalize") else None,
+    )
+
+
+def _fill_lo_r_a_request(msg: engine_pb2.LoRARequest, obj: LoRARequest) -> None:
+    msg.lora_name = obj.lora_name
+    msg.lora_int_id = obj.lora_int_id
+    msg.lora_path = obj.lora_path
+
+
+def _read_lo_r_a_request(msg: engine_pb2.LoRARequest) -> LoRARequest:
+    return LoRARequest(
+        lora_name=msg.lora_name,
+        lora_int_id=msg.lora_int_id,
+        lora_path=msg.lora_path,
+    )
+
+
+def _fill_engine_core_request(msg: engine_pb2.EngineCoreRequest, obj: EngineCoreRequest) -> None:
+    msg.request_id = obj.request_id
+    msg.prompt_token_ids.extend(obj.prompt_token_ids)
+    _fill_sampling_params(msg.sampling_params, obj.sampling_params)
+    msg.arrival_time = obj.arrival_time
+    msg.priority = obj.priority
+    msg.cache_salt = obj.cache_salt
+    _fill_each(msg.mm_inputs, obj.mm_inputs, _fill_multi_modal_input)
+    if obj.pooling_params is not None:
+        msg.pooling_params.SetInParent()
+        _fill_pooling_params(msg.pooling_params, obj.pooling_params)
+    if obj.lora_request is not None:
+        msg.lora_request.SetInParent()
+        _fill_lo_r_a_request(msg.lora_request, obj.lora_request)
+    msg.trace_headers.update(obj.trace_headers)
+
+
+def _read_engine_core_request(msg: engine_pb2.EngineCoreRequest) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=msg.prompt_token_ids[:],
+        sampling_params=_read_sampling_params(msg.sampling_params),
+        arrival_time=msg.arrival_time,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
+        mm_inputs=[_read_multi_modal_input(item) for item in msg.mm_inputs],
+        pooling_params=_read_pooling_params(msg.pooling_params)
+        if msg.HasField("pooling_params")
+        else None,
+        lora_request=_read_lo_r_a_request(msg.lora_request)
+        if msg.HasField("lora_request")
+        else None,
+        trace_headers=dict(msg.trace_headers),
+    )
+
+
+def _fill_token_logprobs(msg: engine_pb2.TokenLogprobs, obj: TokenLogprobs) -> None:
+    msg.token_id = obj.token_id
+    msg.logprob = obj.logprob
+    msg.rank = obj.rank
+    msg.top_token_ids.extend(obj.top_token_ids)
+    msg.top_logprobs.extend(obj.top_logprobs)
+
+
+def _read_token_logprobs(msg: engine_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=msg.token_id,
+        logprob=msg.logprob,
+        rank=msg.rank,
+        top_token_ids=msg.top_token_ids[:],
+        top_logprobs=msg.top_logprobs[:],
+    )
+
+
+def _fill_request_timestamps(msg: engine_pb2.RequestTimestamps, obj: RequestTimestamps) -> None:
+    msg.queued = obj.queued
+    msg.scheduled = obj.scheduled
+    msg.first_token = obj.first_token
+
+
+def _read_request_timestamps(msg: engine_pb2.RequestTimestamps) -> RequestTimestamps:
+    return RequestTimestamps(
+        queued=msg.queued,
+        scheduled=msg.scheduled,
+        first_token=msg.first_token,
+    )
+
+
+def _fill_engine_core_output(msg: engine_pb2.EngineCoreOutput, obj: EngineCoreOutput) -> None:
+    msg.request_id = obj.request_id
+    msg.new_token_ids.extend(obj.new_token_ids)
+    _fill_each(msg.new_logprobs, obj.new_logprobs, _fill_token_logprobs)
+    msg.finish_reason = engine_pb2.FinishReason.ValueType(obj.finish_reason)
+    if obj.stop_reason is not None:
+        msg.stop_reason = obj.stop_reason
+    msg.num_cached_tokens = obj.num_cached_tokens
+    _fill_request_timestamps(msg.timestamps, obj.timestamps)
+    msg.error = obj.error
+    _fill_each(msg.prompt_logprobs, obj.prompt_logprobs, _fill_token_logprobs)
+    msg.pooling_output = obj.pooling_output
+
+
+def _read_engine_core_output(msg: engine_pb2.EngineCoreOutput) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=msg.request_id,
+        new_token_ids=msg.new_token_ids[:],
+        new_logprobs=[_read_token_logprobs(item) for item in msg.new_logprobs],
+        finish_reason=FinishReason(msg.finish_reason),
+        stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
+        num_cached_tokens=msg.num_cached_tokens,
+        timestamps=_read_request_timestamps(msg.timestamps),
+        error=msg.error,
+        prompt_logprobs=[_read_token_logprobs(item) for item in msg.prompt_logprobs],
+        pooling_output=msg.pooling_output,
+    )
+
+
+def _fill_server_info(msg: engine_pb2.ServerInfo, obj: ServerInfo) -> None:
+    msg.model_name = obj.model_name
+    msg.max_model_len = obj.max_model_len
+    msg.vocab_size = obj.vocab_size
+    msg.block_size = obj.block_size
+    msg.num_blocks = obj.num_blocks
+    msg.eos_token_ids.extend(obj.eos_token_ids)
+    msg.version = obj.version
+    msg.protocol_version = obj.protocol_version
+    msg.max_num_seqs = obj.max_num_seqs
+    msg.max_num_batched_tokens = obj.max_num_batched_tokens
+    msg.enable_prefix_caching = obj.enable_prefix_caching
+    msg.num_workers = obj.num_workers
+    msg.host_id = obj.host_id
+    msg.runner = obj.runner
+
+
+def _read_server_info(msg: engine_pb2.ServerInfo) -> ServerInfo:
+    return ServerInfo(
+        model_name=msg.model_name,
+        max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size,
+        block_size=msg.block_size if msg.HasField("block_size") else 16,
+        num_blocks=msg.num_blocks,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        version=msg.version,
+        protocol_version=msg.protocol_version,
+        max_num_seqs=msg.max_num_seqs,
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        enable_prefix_caching=msg.enable_prefix_caching
+        if msg.HasField("enable_prefix_caching")
+        else True,
+        num_workers=msg.num_workers if msg.HasField("num_workers") else 1,
+        host_id=msg.host_id,
+        runner=msg.runner if msg.HasField("runner") else "generate",
+    )
+
+
+def _fill_scheduler_stats(msg: engine_pb2.SchedulerStats, obj: SchedulerStats) -> None:
+    msg.num_running = obj.num_running
+    msg.num_waiting = obj.num_waiting
+    msg.num_blocks_total = obj.num_blocks_total
+    msg.num_blocks_used = obj.num_blocks_used
+    msg.kv_cache_usage = obj.kv_cache_usage
+    msg.prefix_cache_queries = obj.prefix_cache_queries
+    msg.prefix_cache_hits = obj.prefix_cache_hits
+    msg.num_preemptions = obj.num_preemptions
+    msg.num_steps = obj.num_steps
+    msg.step_time_p50 = obj.step_time_p50
+    msg.queue_time_p50 = obj.queue_time_p50
+    msg.num_finished = obj.num_finished
+    msg.healthy = obj.healthy
+    msg.spec_decode_num_drafts = obj.spec_decode_num_drafts
+    msg.spec_decode_num_draft_tokens = obj.spec_decode_num_draft_tokens
+    msg.spec_decode_num_accepted_tokens = obj.spec_decode_num_accepted_tokens
+    msg.iteration_tokens_bucket_counts.extend(obj.iteration_tokens_bucket_counts)
+    msg.iteration_tokens_sum = obj.iteration_tokens_sum
+
+
+def _read_scheduler_stats(msg: engine_pb2.SchedulerStats) -> SchedulerStats:
+    return SchedulerStats(
+        num_running=msg.num_running,
+        num_waiting=msg.num_waiting,
+        num_blocks_total=msg.num_blocks_total,
+        num_blocks_used=msg.num_blocks_used,
+        kv_cache_usage=msg.kv_cache_usage,
+        prefix_cache_queries=msg.prefix_cache_queries,
+        prefix_cache_hits=msg.prefix_cache_hits,
+        num_preemptions=msg.num_preemptions,
+        num_steps=msg.num_steps,
+        step_time_p50=msg.step_time_p50,
+        queue_time_p50=msg.queue_time_p50,
+        num_finished=msg.num_finished,
+        healthy=msg.healthy if msg.HasField("healthy") else True,
+        spec_decode_num_drafts=msg.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens,
+        iteration_tokens_bucket_counts=msg.iteration_tokens_bucket_counts[:],
+        iteration_tokens_sum=msg.iteration_tokens_sum,
+    )
+
+
+def _fill_new_request_data(msg: worker_pb2.NewRequestData, obj: NewRequestData) -> None:
+    msg.request_id = obj.request_id
+    msg.prompt_token_ids.extend(obj.prompt_token_ids)
+    msg.output_token_ids.extend(obj.output_token_ids)
+    _fill_sampling_params(msg.sampling_params, obj.sampling_params)
+    msg.block_ids.extend(obj.block_ids)
+    msg.num_computed_tokens = obj.num_computed_tokens
+    _fill_each(msg.mm_inputs, obj.mm_inputs, _fill_multi_modal_input)
+    msg.resumed_from_preemption = obj.resumed_from_preemption
+    if obj.pooling_params is not None:
+        msg.pooling_params.SetInParent()
+        _fill_pooling_params(msg.pooling_params, obj.pooling_params)
+    if obj.lora_request is not None:
+        msg.lora_request.SetInParent()
+        _fill_lo_r_a_request(msg.lora_request, obj.lora_request)
+
+
+def _read_new_request_data(msg: worker_pb2.NewRequestData) -> NewRequestData:
+    return NewRequestData(
+        request_id=msg.request_id,
+        prompt_token_ids=msg.prompt_token_ids[:],
+        output_token_ids=msg.output_token_ids[:],
+        sampling_params=_read_sampling_params(msg.sampling_params),
+        block_ids=msg.block_ids[:],
+        num_computed_tokens=msg.num_computed_tokens,
+        mm_inputs=[_read_multi_modal_input(item) for item in msg.mm_inputs],
+        resumed_from_preemption=msg.resumed_from_preemption,
+        pooling_params=_read_pooling_params(msg.pooling_params)
+        if msg.HasField("pooling_params")
+        else None,
+        lora_request=_read_lo_r_a_request(msg.lora_request)
+        if msg.HasField("lora_request")
+        else None,
+    )
+
+
+def _fill_cached_request_data(msg: worker_pb2.CachedRequestData, obj: CachedRequestData) -> None:
+    msg.request_id = obj.request_id
+    msg.new_block_ids.extend(obj.new_block_ids)
+    msg.num_computed_tokens = obj.num_computed_tokens
+
+
+def _read_cached_request_data(msg: worker_pb2.CachedRequestData) -> CachedRequestData:
+    return CachedRequestData(
+        request_id=msg.request_id,
+        new_block_ids=msg.new_block_ids[:],
+        num_computed_tokens=msg.num_computed_tokens,
+    )
+
+
+def _fill_draft_tokens(msg: worker_pb2.DraftTokens, obj: DraftTokens) -> None:
+    msg.request_id = obj.request_id
+    msg.token_ids.extend(obj.token_ids)
+
+
+def _read_draft_tokens(msg: worker_pb2.DraftTokens) -> DraftTokens:
+    return DraftTokens(
+        request_id=msg.request_id,
+        token_ids=msg.token_ids[:],
+    )
+
+
+def _fill_scheduler_output(msg: worker_pb2.SchedulerOutput, obj: SchedulerOutput) -> None:
+    msg.step_id = obj.step_id
+    _fill_each(msg.scheduled_new_reqs, obj.scheduled_new_reqs, _fill_new_request_data)
+    _fill_each(msg.scheduled_cached_reqs, obj.scheduled_cached_reqs, _fill_cached_request_data)
+    msg.num_scheduled_tokens.update(obj.num_scheduled_tokens)
+    msg.total_num_scheduled_tokens = obj.total_num_scheduled_tokens
+    msg.finished_req_ids.extend(obj.finished_req_ids)
+    msg.preempted_req_ids.extend(obj.preempted_req_ids)
+    _fill_each(
+        msg.scheduled_spec_decode_tokens, obj.scheduled_spec_decode_tokens, _fill_draft_tokens
+    )
+    msg.trace_contexts.extend(obj.trace_contexts)
+
+
+def _read_scheduler_output(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=msg.step_id,
+        scheduled_new_reqs=[_read_new_request_data(item) for item in msg.scheduled_new_reqs],
+        scheduled_cached_reqs=[
+            _read_cached_request_data(item) for item in msg.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=dict(msg.num_scheduled_tokens),
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=msg.finished_req_ids[:],
+        preempted_req_ids=msg.preempted_req_ids[:],
+        scheduled_spec_decode_tokens=[
+            _read_draft_tokens(item) for item in msg.scheduled_spec_decode_tokens
+        ],
+        trace_contexts=msg.trace_contexts[:],
+    )
+
+
+def _fill_sampled_tokens(msg: worker_pb2.SampledTokens, obj: SampledTokens) -> None:
+    msg.token_ids.extend(obj.token_ids)
+    _fill_each(msg.logprobs, obj.logprobs, _fill_token_logprobs)
+
+
+def _read_sampled_tokens(msg: worker_pb2.SampledTokens) -> SampledTokens:
+    return SampledTokens(
+        token_ids=msg.token_ids[:],
+        logprobs=[_read_token_logprobs(item) for item in msg.logprobs],
+    )
+
+
+def _fill_prompt_logprobs(msg: worker_pb2.PromptLogprobs, obj: PromptLogprobs) -> None:
+    msg.request_id = obj.request_id
+    msg.start = obj.start
+    _fill_each(msg.logprobs, obj.logprobs, _fill_token_logprobs)
+
+
+def _read_prompt_logprobs(msg: worker_pb2.PromptLogprobs) -> PromptLogprobs:
+    return PromptLogprobs(
+        request_id=msg.request_id,
+        start=msg.start,
+        logprobs=[_read_token_logprobs(item) for item in msg.logprobs],
+    )
+
+
+def _fill_worker_timings(msg: worker_pb2.WorkerTimings, obj: WorkerTimings) -> None:
+    msg.prepare_ms = obj.prepare_ms
+    msg.forward_ms = obj.forward_ms
+    msg.sample_ms = obj.sample_ms
+    msg.total_ms = obj.total_ms
+
+
+def _read_worker_timings(msg: worker_pb2.WorkerTimings) -> WorkerTimings:
+    return WorkerTimings(
+        prepare_ms=msg.prepare_ms,
+        forward_ms=msg.forward_ms,
+        sample_ms=msg.sample_ms,
+        total_ms=msg.total_ms,
+    )
+
+
+def _fill_pooled_output(msg: worker_pb2.PooledOutput, obj: PooledOutput) -> None:
+    msg.request_id = obj.request_id
+    msg.data = obj.data
+
+
+def _read_pooled_output(msg: worker_pb2.PooledOutput) -> PooledOutput:
+    return PooledOutput(
+        request_id=msg.request_id,
+        data=msg.data,
+    )
+
+
+def _fill_model_runner_output(msg: worker_pb2.ModelRunnerOutput, obj: ModelRunnerOutput) -> None:
+    msg.step_id = obj.step_id
+    msg.req_ids.extend(obj.req_ids)
+    _fill_each(msg.sampled, obj.sampled, _fill_sampled_tokens)
+    _fill_each(msg.prompt_logprobs, obj.prompt_logprobs, _fill_prompt_logprobs)
+    _fill_worker_timings(msg.timings, obj.timings)
+    msg.request_errors.update(obj.request_errors)
+    msg.error = obj.error
+    _fill_each(msg.pooler_output, obj.pooler_output, _fill_pooled_output)
+    _fill_each(msg.draft_token_ids, obj.draft_token_ids, _fill_draft_tokens)
+
+
+def _read_model_runner_output(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        step_id=msg.step_id,
+        req_ids=msg.req_ids[:],
+        sampled=[_read_sampled_tokens(item) for item in msg.sampled],
+        prompt_logprobs=[_read_prompt_logprobs(item) for item in msg.prompt_logprobs],
+        timings=_read_worker_timings(msg.timings),
+        request_errors=dict(msg.request_errors),
+        error=msg.error,
+        pooler_output=[_read_pooled_output(item) for item in msg.pooler_output],
+        draft_token_ids=[_read_draft_tokens(item) for item in msg.draft_token_ids],
+    )
+
+
+def _fill_model_info(msg: worker_pb2.ModelInfo, obj: ModelInfo) -> None:
+    msg.model_name = obj.model_name
+    msg.max_model_len = obj.max_model_len
+    msg.vocab_size = obj.vocab_size
+    msg.eos_token_ids.extend(obj.eos_token_ids)
+    msg.architecture = obj.architecture
+    msg.dtype = obj.dtype
+    msg.device = obj.device
+    msg.instance_id = obj.instance_id
+    msg.host_id = obj.host_id
+    msg.runner = obj.runner
+    msg.pooling_type = obj.pooling_type
+
+
+def _read_model_info(msg: worker_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model_name=msg.model_name,
+        max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        architecture=msg.architecture,
+        dtype=msg.dtype,
+        device=msg.device,
+        instance_id=msg.instance_id,
+        host_id=msg.host_id,
+        runner=msg.runner if msg.HasField("runner") else "generate",
+        pooling_type=msg.pooling_type,
+    )
+
+
+def _fill_k_v_cache_spec(msg: worker_pb2.KVCacheSpec, obj: KVCacheSpec) -> None:
+    msg.num_layers = obj.num_layers
+    msg.num_kv_heads = obj.num_kv_heads
+    msg.head_dim = obj.head_dim
+    msg.dtype = obj.dtype
+    msg.block_size = obj.block_size
+    msg.bytes_per_block = obj.bytes_per_block
+    msg.sliding_window = obj.sliding_window
+    msg.length_dependent_rope = obj.length_dependent_rope
+    msg.rope_recompute_length = obj.rope_recompute_length
+
+
+def _read_k_v_cache_spec(msg: worker_pb2.KVCacheSpec) -> KVCacheSpec:
+    return KVCacheSpec(
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype,
+        block_size=msg.block_size if msg.HasField("block_size") else 16,
+        bytes_per_block=msg.bytes_per_block,
+        sliding_window=msg.sliding_window,
+        length_dependent_rope=msg.length_dependent_rope,
+        rope_recompute_length=msg.rope_recompute_length,
+    )
+
+
+# Each type's message and converters, for services.convert.
+MESSAGES: dict[type, type[Message]] = {
+    StructuredOutputParams: engine_pb2.StructuredOutputParams,
+    SamplingParams: engine_pb2.SamplingParams,
+    CudaIpcLocation: tensor_pb2.CudaIpcLocation,
+    SharedMemoryLocation: tensor_pb2.SharedMemoryLocation,
+    TensorHandle: tensor_pb2.TensorHandle,
+    MultiModalInput: engine_pb2.MultiModalInput,
+    PoolingParams: engine_pb2.PoolingParams,
+    LoRARequest: engine_pb2.LoRARequest,
+    EngineCoreRequest: engine_pb2.EngineCoreRequest,
+    TokenLogprobs: engine_pb2.TokenLogprobs,
+    RequestTimestamps: engine_pb2.RequestTimestamps,
+    EngineCoreOutput: engine_pb2.EngineCoreOutput,
+    ServerInfo: engine_pb2.ServerInfo,
+    SchedulerStats: engine_pb2.SchedulerStats,
+    NewRequestData: worker_pb2.NewRequestData,
+    CachedRequestData: worker_pb2.CachedRequestData,
+    DraftTokens: worker_pb2.DraftTokens,
+    SchedulerOutput: worker_pb2.SchedulerOutput,
+    SampledTokens: worker_pb2.SampledTokens,
+    PromptLogprobs: worker_pb2.PromptLogprobs,
+    WorkerTimings: worker_pb2.WorkerTimings,
+    PooledOutput: worker_pb2.PooledOutput,
+    ModelRunnerOutput: worker_pb2.ModelRunnerOutput,
+    ModelInfo: worker_pb2.ModelInfo,
+    KVCacheSpec: worker_pb2.KVCacheSpec,
+}
+FILL: dict[type, Callable[[Any, Any], None]] = {
+    StructuredOutputParams: rules.fill_structured_output,
+    SamplingParams: _fill_sampling_params,
+    CudaIpcLocation: _fill_cuda_ipc_location,
+    SharedMemoryLocation: _fill_shared_memory_location,
+    TensorHandle: _fill_tensor_handle,
+    MultiModalInput: _fill_multi_modal_input,
+    PoolingParams: _fill_pooling_params,
+    LoRARequest: _fill_lo_r_a_request,
+    EngineCoreRequest: _fill_engine_core_request,
+    TokenLogprobs: _fill_token_logprobs,
+    RequestTimestamps: _fill_request_timestamps,
+    EngineCoreOutput: _fill_engine_core_output,
+    ServerInfo: _fill_server_info,
+    SchedulerStats: _fill_scheduler_stats,
+    NewRequestData: _fill_new_request_data,
+    CachedRequestData: _fill_cached_request_data,
+    DraftTokens: _fill_draft_tokens,
+    SchedulerOutput: _fill_scheduler_output,
+    SampledTokens: _fill_sampled_tokens,
+    PromptLogprobs: _fill_prompt_logprobs,
+    WorkerTimings: _fill_worker_timings,
+    PooledOutput: _fill_pooled_output,
+    ModelRunnerOutput: _fill_model_runner_output,
+    ModelInfo: _fill_model_info,
+    KVCacheSpec: _fill_k_v_cache_spec,
+}
+READ: dict[type, Callable[[Any], Any]] = {
+    StructuredOutputParams: rules.read_structured_output,
+    SamplingParams: _read_sampling_params,
+    CudaIpcLocation: _read_cuda_ipc_location,
+    SharedMemoryLocation: _read_shared_memory_location,
+    TensorHandle: _read_tensor_handle,
+    MultiModalInput: _read_multi_modal_input,
+    PoolingParams: _read_pooling_params,
+    LoRARequest: _read_lo_r_a_request,
+    EngineCoreRequest: _read_engine_core_request,
+    TokenLogprobs: _read_token_logprobs,
+    RequestTimestamps: _read_request_timestamps,
+    EngineCoreOutput: _read_engine_core_output,
+    ServerInfo: _read_server_info,
+    SchedulerStats: _read_scheduler_stats,
+    NewRequestData: _read_new_request_data,
+    CachedRequestData: _read_cached_request_data,
+    DraftTokens: _read_draft_tokens,
+    SchedulerOutput: _read_scheduler_output,
+    SampledTokens: _read_sampled_tokens,
+    PromptLogprobs: _read_prompt_logprobs,
+    WorkerTimings: _read_worker_timings,
+    PooledOutput: _read_pooled_output,
+    ModelRunnerOutput: _read_model_runner_output,
+    ModelInfo: _read_model_info,
+    KVCacheSpec: _read_k_v_cache_spec,
+}
