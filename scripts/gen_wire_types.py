@@ -5,8 +5,9 @@ and defaults from the descriptor and protos/options.proto) and a straight-line p
 converters, `_fill_x(msg, obj)` and `_read_x(msg) -> X`. Behaviour (validation, properties)
 comes from services/wire_rules.py: class `X` inherits `XRules` when that module defines it.
 
-Rules: an unset field decodes to its Python default, so `Message()` decodes to `X()`; a
-None value leaves a field unset; repeated fields are lists (tuples with the `tuple` option);
+Rules: an unset field decodes to its Python default, so `Message()` decodes to `X()` (but
+a field marked unset_is_none, SamplingParams.max_tokens, decodes to None); a None value
+leaves a field unset; repeated fields are lists (tuples with the `tuple` option);
 enums become the generated IntEnum. Run by scripts/gen_protos.sh after the stubs;
 `--check` exits 1 when services/wire.py is stale.
 """
@@ -210,17 +211,11 @@ def scalar_field(fd: FieldDescriptor, default_text: str) -> Field:
             raise SystemExit(f"{fd.full_name}: a non-zero default needs `optional`")
         zero = {"int": "0", "float": "0.0", "bool": "False", "str": '""', "bytes": 'b""'}[t]
         return Field(name, t, zero, [f"msg.{name} = obj.{name}"], f"msg.{name}")
-    if option(fd, options_pb2.zero_is_none):
-        fill = [f"msg.{name} = 0 if obj.{name} is None else obj.{name}"]
-        return Field(
-            name, f"{t} | None", default, fill, f"(msg.{name} or None) if {has} else {default}"
-        )
-    if default is not None:
-        return Field(
-            name, t, default, [f"msg.{name} = obj.{name}"], f"msg.{name} if {has} else {default}"
-        )
+    if default is not None and not option(fd, options_pb2.unset_is_none):
+        read = f"msg.{name} if {has} else {default}"
+        return Field(name, t, default, [f"msg.{name} = obj.{name}"], read)
     fill = [f"if obj.{name} is not None:", f"    msg.{name} = obj.{name}"]
-    return Field(name, f"{t} | None", "None", fill, f"msg.{name} if {has} else None")
+    return Field(name, f"{t} | None", default or "None", fill, f"msg.{name} if {has} else None")
 
 
 def enum_members(desc: EnumDescriptor) -> list[tuple[str, int]]:

@@ -4,7 +4,8 @@ Every domain type (services.types, services.step_types) is generated with its co
 from its message in protos/ (services/wire.py, `make proto`): `to_proto(obj, MessageClass)`
 and `from_proto(msg, DomainType)` pick the straight-line pair. Rules: a None value leaves a
 field unset and an unset field decodes to the Python default, so `Message()` decodes to
-`DomainType()`; repeated fields are lists (tuples where the type says so).
+`DomainType()` (but for SamplingParams.max_tokens: unset is None, up to max_model_len, while
+SamplingParams() means vLLM's 16); repeated fields are lists (tuples where the type says so).
 """
 
 from __future__ import annotations

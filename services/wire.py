@@ -362,7 +362,8 @@ def _fill_sampling_params(msg: engine_pb2.SamplingParams, obj: SamplingParams) -
     msg.min_p = obj.min_p
     if obj.seed is not None:
         msg.seed = obj.seed
-    msg.max_tokens = 0 if obj.max_tokens is None else obj.max_tokens
+    if obj.max_tokens is not None:
+        msg.max_tokens = obj.max_tokens
     msg.min_tokens = obj.min_tokens
     msg.stop_token_ids.extend(obj.stop_token_ids)
     msg.ignore_eos = obj.ignore_eos
@@ -386,7 +387,7 @@ def _read_sampling_params(msg: engine_pb2.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=(msg.max_tokens or None) if msg.HasField("max_tokens") else 16,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,

@@ -215,6 +215,7 @@ CASES: list[Any] = [
 ]
 CASES.append(StructuredOutputParams(json='{"type": "object"}'))
 MESSAGE_FOR = dict(convert.PAIRS)
+UNSET_SAMPLING = SamplingParams(max_tokens=None)
 REQUIRED_VALUES: dict[str, Any] = {
     "request_id": "r",
     "prompt_token_ids": [1],
@@ -275,6 +276,11 @@ def test_an_empty_message_decodes_to_the_defaults(cls: type) -> None:
     message = MESSAGE_FOR[cls](**given)
     try:
         expected = cls(**given)
+        # the one field whose unset is None (up to max_model_len), not its default
+        if cls is SamplingParams:
+            expected = UNSET_SAMPLING
+        elif hasattr(expected, "sampling_params"):
+            expected = dataclasses.replace(expected, sampling_params=UNSET_SAMPLING)
     except ValueError:
         with pytest.raises(ValueError):
             convert.from_proto(message, cls)
@@ -287,19 +293,16 @@ def test_unset_optional_fields_take_domain_defaults() -> None:
 
     params = convert.from_proto(engine_pb2.SamplingParams(), SamplingParams)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.repetition_penalty == 1.0
-    # unset max_tokens is vLLM's 16 on the wire as in process; None (up to max_model_len)
-    # travels as 0
-    assert params.max_tokens == 16 and params.seed is None and params.logprobs is None
-    unbounded = SamplingParams(max_tokens=None, min_tokens=100)
-    msg = convert.to_proto(unbounded, engine_pb2.SamplingParams)
-    assert msg.HasField("max_tokens") and msg.max_tokens == 0
-    wire = engine_pb2.SamplingParams.FromString(msg.SerializeToString())
-    assert convert.from_proto(wire, SamplingParams) == unbounded
+    # unset max_tokens is None, up to max_model_len (engine.proto), not SamplingParams()'s 16
+    # for in-process callers, which travels set
+    assert params.max_tokens is None and params.seed is None and params.logprobs is None
+    assert convert.to_proto(SamplingParams(), engine_pb2.SamplingParams).max_tokens == 16
+    # so min_tokens past 16 without max_tokens decodes (checked later against max_model_len)
+    msg = engine_pb2.SamplingParams(min_tokens=100)
+    assert convert.from_proto(msg, SamplingParams).min_tokens == 100
     # a zero value with a non-zero default travels (the field is `optional`)
-    stats = convert.from_proto(
-        convert.to_proto(SchedulerStats(healthy=False), engine_pb2.SchedulerStats), SchedulerStats
-    )
-    assert stats.healthy is False
+    healthy = convert.to_proto(SchedulerStats(healthy=False), engine_pb2.SchedulerStats)
+    assert convert.from_proto(healthy, SchedulerStats).healthy is False
 
 
 def test_mismatched_dataclass_is_a_clear_error() -> None:
