@@ -94,7 +94,7 @@ class Field:
 
 
 def snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return re.sub(r"(?<=[A-Za-z0-9])(?=[A-Z][a-z])", "_", name).lower()  # LoRARequest: lora_request
 
 
 def module(desc: Descriptor | EnumDescriptor) -> str:
@@ -158,15 +158,15 @@ def plan_optional(fd: FieldDescriptor) -> Field:
     msg_type, get = fd.message_type, f"msg.{name}"
     if msg_type is not None and msg_type.GetOptions().map_entry:
         k, v = (scalar_type(f) for f in msg_type.fields)
-        fill = [f"msg.{name}.update(obj.{name})"]
+        fill = [f"if obj.{name}:", f"    msg.{name}.update(obj.{name})"]
         return Field(name, f"dict[{k}, {v}]", "field(default_factory=dict)", fill, f"dict({get})")
     if fd.is_repeated and msg_type is not None:
         item = msg_type.name
-        fill = [f"_fill_each(msg.{name}, obj.{name}, _fill_{snake(item)})"]
-        read = f"[_read_{snake(item)}(item) for item in {get}]"
+        fill = [f"if obj.{name}:", f"    _fill_each(msg.{name}, obj.{name}, _fill_{snake(item)})"]
+        read = f"list(map(_read_{snake(item)}, {get})) if {get} else []"
         return Field(name, f"list[{item}]", "field(default_factory=list)", fill, read)
     if fd.is_repeated:
-        fill, t = [f"msg.{name}.extend(obj.{name})"], scalar_type(fd)
+        fill, t = [f"if obj.{name}:", f"    msg.{name}.extend(obj.{name})"], scalar_type(fd)
         if option(fd, options_pb2.tuple):
             return Field(name, f"tuple[{t}, ...]", "()", fill, f"tuple({get})")
         return Field(name, f"list[{t}]", "field(default_factory=list)", fill, f"{get}[:]")
@@ -252,9 +252,9 @@ def render_converters(desc: Descriptor, fields: list[Field]) -> Iterator[str]:
     yield ""
     yield ""
     yield from wrap_def(f"_read_{fn}", f"msg: {pb}", cls)
-    yield f"    return {cls}("
+    yield f"    return {cls}(  # the fields in order"
     for f in fields:
-        yield from wrap_arg(f"{f.name}={f.read},", "        ")
+        yield from wrap_arg(f"{f.read},", "        ")
     yield "    )"
 
 
@@ -275,13 +275,13 @@ def wrap_call(line: str) -> Iterator[str]:
 
 
 def wrap_arg(arg: str, indent: str) -> Iterator[str]:
-    """A keyword argument, wrapped the way ruff format wraps one too long for a line."""
+    """An argument, wrapped the way ruff format wraps one too long for a line."""
     if len(indent + arg) <= LINE:
         yield indent + arg
         return
-    name, value = arg.split("=", 1)
-    if value.startswith("["):  # a list comprehension: its body on a line of its own
-        yield from (f"{indent}{name}=[", f"{indent}    {value[1:-2]}", f"{indent}],")
+    if " if " not in arg:  # a call: its arguments on a line of their own
+        head, inner = arg.split("(", 1)
+        yield from (f"{indent}{head}(", f"{indent}    {inner[:-2]}", f"{indent}),")
         return
     value, rest = arg.split(" if ", 1)
     test, other = rest.rsplit(" else ", 1)

@@ -365,12 +365,14 @@ def _fill_sampling_params(msg: engine_pb2.SamplingParams, obj: SamplingParams) -
     if obj.max_tokens is not None:
         msg.max_tokens = obj.max_tokens
     msg.min_tokens = obj.min_tokens
-    msg.stop_token_ids.extend(obj.stop_token_ids)
+    if obj.stop_token_ids:
+        msg.stop_token_ids.extend(obj.stop_token_ids)
     msg.ignore_eos = obj.ignore_eos
     msg.presence_penalty = obj.presence_penalty
     msg.frequency_penalty = obj.frequency_penalty
     msg.repetition_penalty = obj.repetition_penalty
-    msg.logit_bias.update(obj.logit_bias)
+    if obj.logit_bias:
+        msg.logit_bias.update(obj.logit_bias)
     if obj.logprobs is not None:
         msg.logprobs = obj.logprobs
     if obj.prompt_logprobs is not None:
@@ -381,23 +383,23 @@ def _fill_sampling_params(msg: engine_pb2.SamplingParams, obj: SamplingParams) -
 
 
 def _read_sampling_params(msg: engine_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        min_tokens=msg.min_tokens,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-        logit_bias=dict(msg.logit_bias),
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        structured_output=rules.read_structured_output(msg.structured_output)
+    return SamplingParams(  # the fields in order
+        msg.temperature if msg.HasField("temperature") else 1.0,
+        msg.top_p if msg.HasField("top_p") else 1.0,
+        msg.top_k,
+        msg.min_p,
+        msg.seed if msg.HasField("seed") else None,
+        msg.max_tokens if msg.HasField("max_tokens") else None,
+        msg.min_tokens,
+        tuple(msg.stop_token_ids),
+        msg.ignore_eos,
+        msg.presence_penalty,
+        msg.frequency_penalty,
+        msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        dict(msg.logit_bias),
+        msg.logprobs if msg.HasField("logprobs") else None,
+        msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        rules.read_structured_output(msg.structured_output)
         if msg.HasField("structured_output")
         else None,
     )
@@ -409,7 +411,8 @@ def _fill_cuda_ipc_location(msg: tensor_pb2.CudaIpcLocation, obj: CudaIpcLocatio
     msg.storage_size_bytes = obj.storage_size_bytes
     msg.storage_offset_bytes = obj.storage_offset_bytes
     msg.tensor_offset = obj.tensor_offset
-    msg.stride.extend(obj.stride)
+    if obj.stride:
+        msg.stride.extend(obj.stride)
     msg.ref_counter_handle = obj.ref_counter_handle
     msg.ref_counter_offset = obj.ref_counter_offset
     msg.event_handle = obj.event_handle
@@ -417,17 +420,17 @@ def _fill_cuda_ipc_location(msg: tensor_pb2.CudaIpcLocation, obj: CudaIpcLocatio
 
 
 def _read_cuda_ipc_location(msg: tensor_pb2.CudaIpcLocation) -> CudaIpcLocation:
-    return CudaIpcLocation(
-        device_index=msg.device_index,
-        ipc_memory_handle=msg.ipc_memory_handle,
-        storage_size_bytes=msg.storage_size_bytes,
-        storage_offset_bytes=msg.storage_offset_bytes,
-        tensor_offset=msg.tensor_offset,
-        stride=tuple(msg.stride),
-        ref_counter_handle=msg.ref_counter_handle,
-        ref_counter_offset=msg.ref_counter_offset,
-        event_handle=msg.event_handle,
-        event_sync_required=msg.event_sync_required,
+    return CudaIpcLocation(  # the fields in order
+        msg.device_index,
+        msg.ipc_memory_handle,
+        msg.storage_size_bytes,
+        msg.storage_offset_bytes,
+        msg.tensor_offset,
+        tuple(msg.stride),
+        msg.ref_counter_handle,
+        msg.ref_counter_offset,
+        msg.event_handle,
+        msg.event_sync_required,
     )
 
 
@@ -440,16 +443,17 @@ def _fill_shared_memory_location(
 
 
 def _read_shared_memory_location(msg: tensor_pb2.SharedMemoryLocation) -> SharedMemoryLocation:
-    return SharedMemoryLocation(
-        name=msg.name,
-        offset=msg.offset,
-        nbytes=msg.nbytes,
+    return SharedMemoryLocation(  # the fields in order
+        msg.name,
+        msg.offset,
+        msg.nbytes,
     )
 
 
 def _fill_tensor_handle(msg: tensor_pb2.TensorHandle, obj: TensorHandle) -> None:
     msg.dtype = obj.dtype
-    msg.shape.extend(obj.shape)
+    if obj.shape:
+        msg.shape.extend(obj.shape)
     if obj.cuda_ipc is not None:
         msg.cuda_ipc.SetInParent()
         _fill_cuda_ipc_location(msg.cuda_ipc, obj.cuda_ipc)
@@ -461,14 +465,12 @@ def _fill_tensor_handle(msg: tensor_pb2.TensorHandle, obj: TensorHandle) -> None
 
 
 def _read_tensor_handle(msg: tensor_pb2.TensorHandle) -> TensorHandle:
-    return TensorHandle(
-        dtype=msg.dtype if msg.HasField("dtype") else "float32",
-        shape=tuple(msg.shape),
-        cuda_ipc=_read_cuda_ipc_location(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
-        shared_memory=_read_shared_memory_location(msg.shared_memory)
-        if msg.HasField("shared_memory")
-        else None,
-        inline_bytes=msg.inline_bytes if msg.HasField("inline_bytes") else None,
+    return TensorHandle(  # the fields in order
+        msg.dtype if msg.HasField("dtype") else "float32",
+        tuple(msg.shape),
+        _read_cuda_ipc_location(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
+        _read_shared_memory_location(msg.shared_memory) if msg.HasField("shared_memory") else None,
+        msg.inline_bytes if msg.HasField("inline_bytes") else None,
     )
 
 
@@ -480,17 +482,18 @@ def _fill_multi_modal_input(msg: engine_pb2.MultiModalInput, obj: MultiModalInpu
     if obj.tensor is not None:
         msg.tensor.SetInParent()
         _fill_tensor_handle(msg.tensor, obj.tensor)
-    msg.grid_thw.extend(obj.grid_thw)
+    if obj.grid_thw:
+        msg.grid_thw.extend(obj.grid_thw)
 
 
 def _read_multi_modal_input(msg: engine_pb2.MultiModalInput) -> MultiModalInput:
-    return MultiModalInput(
-        modality=msg.modality if msg.HasField("modality") else "image",
-        offset=msg.offset,
-        length=msg.length,
-        content_hash=msg.content_hash,
-        tensor=_read_tensor_handle(msg.tensor) if msg.HasField("tensor") else None,
-        grid_thw=msg.grid_thw[:],
+    return MultiModalInput(  # the fields in order
+        msg.modality if msg.HasField("modality") else "image",
+        msg.offset,
+        msg.length,
+        msg.content_hash,
+        _read_tensor_handle(msg.tensor) if msg.HasField("tensor") else None,
+        msg.grid_thw[:],
     )
 
 
@@ -502,59 +505,58 @@ def _fill_pooling_params(msg: engine_pb2.PoolingParams, obj: PoolingParams) -> N
 
 
 def _read_pooling_params(msg: engine_pb2.PoolingParams) -> PoolingParams:
-    return PoolingParams(
-        dimensions=msg.dimensions if msg.HasField("dimensions") else None,
-        normalize=msg.normalize if msg.HasField("normalize") else None,
+    return PoolingParams(  # the fields in order
+        msg.dimensions if msg.HasField("dimensions") else None,
+        msg.normalize if msg.HasField("normalize") else None,
     )
 
 
-def _fill_lo_r_a_request(msg: engine_pb2.LoRARequest, obj: LoRARequest) -> None:
+def _fill_lora_request(msg: engine_pb2.LoRARequest, obj: LoRARequest) -> None:
     msg.lora_name = obj.lora_name
     msg.lora_int_id = obj.lora_int_id
     msg.lora_path = obj.lora_path
 
 
-def _read_lo_r_a_request(msg: engine_pb2.LoRARequest) -> LoRARequest:
-    return LoRARequest(
-        lora_name=msg.lora_name,
-        lora_int_id=msg.lora_int_id,
-        lora_path=msg.lora_path,
+def _read_lora_request(msg: engine_pb2.LoRARequest) -> LoRARequest:
+    return LoRARequest(  # the fields in order
+        msg.lora_name,
+        msg.lora_int_id,
+        msg.lora_path,
     )
 
 
 def _fill_engine_core_request(msg: engine_pb2.EngineCoreRequest, obj: EngineCoreRequest) -> None:
     msg.request_id = obj.request_id
-    msg.prompt_token_ids.extend(obj.prompt_token_ids)
+    if obj.prompt_token_ids:
+        msg.prompt_token_ids.extend(obj.prompt_token_ids)
     _fill_sampling_params(msg.sampling_params, obj.sampling_params)
     msg.arrival_time = obj.arrival_time
     msg.priority = obj.priority
     msg.cache_salt = obj.cache_salt
-    _fill_each(msg.mm_inputs, obj.mm_inputs, _fill_multi_modal_input)
+    if obj.mm_inputs:
+        _fill_each(msg.mm_inputs, obj.mm_inputs, _fill_multi_modal_input)
     if obj.pooling_params is not None:
         msg.pooling_params.SetInParent()
         _fill_pooling_params(msg.pooling_params, obj.pooling_params)
     if obj.lora_request is not None:
         msg.lora_request.SetInParent()
-        _fill_lo_r_a_request(msg.lora_request, obj.lora_request)
-    msg.trace_headers.update(obj.trace_headers)
+        _fill_lora_request(msg.lora_request, obj.lora_request)
+    if obj.trace_headers:
+        msg.trace_headers.update(obj.trace_headers)
 
 
 def _read_engine_core_request(msg: engine_pb2.EngineCoreRequest) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=msg.request_id,
-        prompt_token_ids=msg.prompt_token_ids[:],
-        sampling_params=_read_sampling_params(msg.sampling_params),
-        arrival_time=msg.arrival_time,
-        priority=msg.priority,
-        cache_salt=msg.cache_salt,
-        mm_inputs=[_read_multi_modal_input(item) for item in msg.mm_inputs],
-        pooling_params=_read_pooling_params(msg.pooling_params)
-        if msg.HasField("pooling_params")
-        else None,
-        lora_request=_read_lo_r_a_request(msg.lora_request)
-        if msg.HasField("lora_request")
-        else None,
-        trace_headers=dict(msg.trace_headers),
+    return EngineCoreRequest(  # the fields in order
+        msg.request_id,
+        msg.prompt_token_ids[:],
+        _read_sampling_params(msg.sampling_params),
+        msg.arrival_time,
+        msg.priority,
+        msg.cache_salt,
+        list(map(_read_multi_modal_input, msg.mm_inputs)) if msg.mm_inputs else [],
+        _read_pooling_params(msg.pooling_params) if msg.HasField("pooling_params") else None,
+        _read_lora_request(msg.lora_request) if msg.HasField("lora_request") else None,
+        dict(msg.trace_headers),
     )
 
 
@@ -562,17 +564,19 @@ def _fill_token_logprobs(msg: engine_pb2.TokenLogprobs, obj: TokenLogprobs) -> N
     msg.token_id = obj.token_id
     msg.logprob = obj.logprob
     msg.rank = obj.rank
-    msg.top_token_ids.extend(obj.top_token_ids)
-    msg.top_logprobs.extend(obj.top_logprobs)
+    if obj.top_token_ids:
+        msg.top_token_ids.extend(obj.top_token_ids)
+    if obj.top_logprobs:
+        msg.top_logprobs.extend(obj.top_logprobs)
 
 
 def _read_token_logprobs(msg: engine_pb2.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(
-        token_id=msg.token_id,
-        logprob=msg.logprob,
-        rank=msg.rank,
-        top_token_ids=msg.top_token_ids[:],
-        top_logprobs=msg.top_logprobs[:],
+    return TokenLogprobs(  # the fields in order
+        msg.token_id,
+        msg.logprob,
+        msg.rank,
+        msg.top_token_ids[:],
+        msg.top_logprobs[:],
     )
 
 
@@ -583,39 +587,42 @@ def _fill_request_timestamps(msg: engine_pb2.RequestTimestamps, obj: RequestTime
 
 
 def _read_request_timestamps(msg: engine_pb2.RequestTimestamps) -> RequestTimestamps:
-    return RequestTimestamps(
-        queued=msg.queued,
-        scheduled=msg.scheduled,
-        first_token=msg.first_token,
+    return RequestTimestamps(  # the fields in order
+        msg.queued,
+        msg.scheduled,
+        msg.first_token,
     )
 
 
 def _fill_engine_core_output(msg: engine_pb2.EngineCoreOutput, obj: EngineCoreOutput) -> None:
     msg.request_id = obj.request_id
-    msg.new_token_ids.extend(obj.new_token_ids)
-    _fill_each(msg.new_logprobs, obj.new_logprobs, _fill_token_logprobs)
+    if obj.new_token_ids:
+        msg.new_token_ids.extend(obj.new_token_ids)
+    if obj.new_logprobs:
+        _fill_each(msg.new_logprobs, obj.new_logprobs, _fill_token_logprobs)
     msg.finish_reason = engine_pb2.FinishReason.ValueType(obj.finish_reason)
     if obj.stop_reason is not None:
         msg.stop_reason = obj.stop_reason
     msg.num_cached_tokens = obj.num_cached_tokens
     _fill_request_timestamps(msg.timestamps, obj.timestamps)
     msg.error = obj.error
-    _fill_each(msg.prompt_logprobs, obj.prompt_logprobs, _fill_token_logprobs)
+    if obj.prompt_logprobs:
+        _fill_each(msg.prompt_logprobs, obj.prompt_logprobs, _fill_token_logprobs)
     msg.pooling_output = obj.pooling_output
 
 
 def _read_engine_core_output(msg: engine_pb2.EngineCoreOutput) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=msg.request_id,
-        new_token_ids=msg.new_token_ids[:],
-        new_logprobs=[_read_token_logprobs(item) for item in msg.new_logprobs],
-        finish_reason=FinishReason(msg.finish_reason),
-        stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
-        num_cached_tokens=msg.num_cached_tokens,
-        timestamps=_read_request_timestamps(msg.timestamps),
-        error=msg.error,
-        prompt_logprobs=[_read_token_logprobs(item) for item in msg.prompt_logprobs],
-        pooling_output=msg.pooling_output,
+    return EngineCoreOutput(  # the fields in order
+        msg.request_id,
+        msg.new_token_ids[:],
+        list(map(_read_token_logprobs, msg.new_logprobs)) if msg.new_logprobs else [],
+        FinishReason(msg.finish_reason),
+        msg.stop_reason if msg.HasField("stop_reason") else None,
+        msg.num_cached_tokens,
+        _read_request_timestamps(msg.timestamps),
+        msg.error,
+        list(map(_read_token_logprobs, msg.prompt_logprobs)) if msg.prompt_logprobs else [],
+        msg.pooling_output,
     )
 
 
@@ -625,7 +632,8 @@ def _fill_server_info(msg: engine_pb2.ServerInfo, obj: ServerInfo) -> None:
     msg.vocab_size = obj.vocab_size
     msg.block_size = obj.block_size
     msg.num_blocks = obj.num_blocks
-    msg.eos_token_ids.extend(obj.eos_token_ids)
+    if obj.eos_token_ids:
+        msg.eos_token_ids.extend(obj.eos_token_ids)
     msg.version = obj.version
     msg.protocol_version = obj.protocol_version
     msg.max_num_seqs = obj.max_num_seqs
@@ -637,23 +645,21 @@ def _fill_server_info(msg: engine_pb2.ServerInfo, obj: ServerInfo) -> None:
 
 
 def _read_server_info(msg: engine_pb2.ServerInfo) -> ServerInfo:
-    return ServerInfo(
-        model_name=msg.model_name,
-        max_model_len=msg.max_model_len,
-        vocab_size=msg.vocab_size,
-        block_size=msg.block_size if msg.HasField("block_size") else 16,
-        num_blocks=msg.num_blocks,
-        eos_token_ids=tuple(msg.eos_token_ids),
-        version=msg.version,
-        protocol_version=msg.protocol_version,
-        max_num_seqs=msg.max_num_seqs,
-        max_num_batched_tokens=msg.max_num_batched_tokens,
-        enable_prefix_caching=msg.enable_prefix_caching
-        if msg.HasField("enable_prefix_caching")
-        else True,
-        num_workers=msg.num_workers if msg.HasField("num_workers") else 1,
-        host_id=msg.host_id,
-        runner=msg.runner if msg.HasField("runner") else "generate",
+    return ServerInfo(  # the fields in order
+        msg.model_name,
+        msg.max_model_len,
+        msg.vocab_size,
+        msg.block_size if msg.HasField("block_size") else 16,
+        msg.num_blocks,
+        tuple(msg.eos_token_ids),
+        msg.version,
+        msg.protocol_version,
+        msg.max_num_seqs,
+        msg.max_num_batched_tokens,
+        msg.enable_prefix_caching if msg.HasField("enable_prefix_caching") else True,
+        msg.num_workers if msg.HasField("num_workers") else 1,
+        msg.host_id,
+        msg.runner if msg.HasField("runner") else "generate",
     )
 
 
@@ -674,150 +680,163 @@ def _fill_scheduler_stats(msg: engine_pb2.SchedulerStats, obj: SchedulerStats) -
     msg.spec_decode_num_drafts = obj.spec_decode_num_drafts
     msg.spec_decode_num_draft_tokens = obj.spec_decode_num_draft_tokens
     msg.spec_decode_num_accepted_tokens = obj.spec_decode_num_accepted_tokens
-    msg.iteration_tokens_bucket_counts.extend(obj.iteration_tokens_bucket_counts)
+    if obj.iteration_tokens_bucket_counts:
+        msg.iteration_tokens_bucket_counts.extend(obj.iteration_tokens_bucket_counts)
     msg.iteration_tokens_sum = obj.iteration_tokens_sum
 
 
 def _read_scheduler_stats(msg: engine_pb2.SchedulerStats) -> SchedulerStats:
-    return SchedulerStats(
-        num_running=msg.num_running,
-        num_waiting=msg.num_waiting,
-        num_blocks_total=msg.num_blocks_total,
-        num_blocks_used=msg.num_blocks_used,
-        kv_cache_usage=msg.kv_cache_usage,
-        prefix_cache_queries=msg.prefix_cache_queries,
-        prefix_cache_hits=msg.prefix_cache_hits,
-        num_preemptions=msg.num_preemptions,
-        num_steps=msg.num_steps,
-        step_time_p50=msg.step_time_p50,
-        queue_time_p50=msg.queue_time_p50,
-        num_finished=msg.num_finished,
-        healthy=msg.healthy if msg.HasField("healthy") else True,
-        spec_decode_num_drafts=msg.spec_decode_num_drafts,
-        spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
-        spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens,
-        iteration_tokens_bucket_counts=msg.iteration_tokens_bucket_counts[:],
-        iteration_tokens_sum=msg.iteration_tokens_sum,
+    return SchedulerStats(  # the fields in order
+        msg.num_running,
+        msg.num_waiting,
+        msg.num_blocks_total,
+        msg.num_blocks_used,
+        msg.kv_cache_usage,
+        msg.prefix_cache_queries,
+        msg.prefix_cache_hits,
+        msg.num_preemptions,
+        msg.num_steps,
+        msg.step_time_p50,
+        msg.queue_time_p50,
+        msg.num_finished,
+        msg.healthy if msg.HasField("healthy") else True,
+        msg.spec_decode_num_drafts,
+        msg.spec_decode_num_draft_tokens,
+        msg.spec_decode_num_accepted_tokens,
+        msg.iteration_tokens_bucket_counts[:],
+        msg.iteration_tokens_sum,
     )
 
 
 def _fill_new_request_data(msg: worker_pb2.NewRequestData, obj: NewRequestData) -> None:
     msg.request_id = obj.request_id
-    msg.prompt_token_ids.extend(obj.prompt_token_ids)
-    msg.output_token_ids.extend(obj.output_token_ids)
+    if obj.prompt_token_ids:
+        msg.prompt_token_ids.extend(obj.prompt_token_ids)
+    if obj.output_token_ids:
+        msg.output_token_ids.extend(obj.output_token_ids)
     _fill_sampling_params(msg.sampling_params, obj.sampling_params)
-    msg.block_ids.extend(obj.block_ids)
+    if obj.block_ids:
+        msg.block_ids.extend(obj.block_ids)
     msg.num_computed_tokens = obj.num_computed_tokens
-    _fill_each(msg.mm_inputs, obj.mm_inputs, _fill_multi_modal_input)
+    if obj.mm_inputs:
+        _fill_each(msg.mm_inputs, obj.mm_inputs, _fill_multi_modal_input)
     msg.resumed_from_preemption = obj.resumed_from_preemption
     if obj.pooling_params is not None:
         msg.pooling_params.SetInParent()
         _fill_pooling_params(msg.pooling_params, obj.pooling_params)
     if obj.lora_request is not None:
         msg.lora_request.SetInParent()
-        _fill_lo_r_a_request(msg.lora_request, obj.lora_request)
+        _fill_lora_request(msg.lora_request, obj.lora_request)
 
 
 def _read_new_request_data(msg: worker_pb2.NewRequestData) -> NewRequestData:
-    return NewRequestData(
-        request_id=msg.request_id,
-        prompt_token_ids=msg.prompt_token_ids[:],
-        output_token_ids=msg.output_token_ids[:],
-        sampling_params=_read_sampling_params(msg.sampling_params),
-        block_ids=msg.block_ids[:],
-        num_computed_tokens=msg.num_computed_tokens,
-        mm_inputs=[_read_multi_modal_input(item) for item in msg.mm_inputs],
-        resumed_from_preemption=msg.resumed_from_preemption,
-        pooling_params=_read_pooling_params(msg.pooling_params)
-        if msg.HasField("pooling_params")
-        else None,
-        lora_request=_read_lo_r_a_request(msg.lora_request)
-        if msg.HasField("lora_request")
-        else None,
+    return NewRequestData(  # the fields in order
+        msg.request_id,
+        msg.prompt_token_ids[:],
+        msg.output_token_ids[:],
+        _read_sampling_params(msg.sampling_params),
+        msg.block_ids[:],
+        msg.num_computed_tokens,
+        list(map(_read_multi_modal_input, msg.mm_inputs)) if msg.mm_inputs else [],
+        msg.resumed_from_preemption,
+        _read_pooling_params(msg.pooling_params) if msg.HasField("pooling_params") else None,
+        _read_lora_request(msg.lora_request) if msg.HasField("lora_request") else None,
     )
 
 
 def _fill_cached_request_data(msg: worker_pb2.CachedRequestData, obj: CachedRequestData) -> None:
     msg.request_id = obj.request_id
-    msg.new_block_ids.extend(obj.new_block_ids)
+    if obj.new_block_ids:
+        msg.new_block_ids.extend(obj.new_block_ids)
     msg.num_computed_tokens = obj.num_computed_tokens
 
 
 def _read_cached_request_data(msg: worker_pb2.CachedRequestData) -> CachedRequestData:
-    return CachedRequestData(
-        request_id=msg.request_id,
-        new_block_ids=msg.new_block_ids[:],
-        num_computed_tokens=msg.num_computed_tokens,
+    return CachedRequestData(  # the fields in order
+        msg.request_id,
+        msg.new_block_ids[:],
+        msg.num_computed_tokens,
     )
 
 
 def _fill_draft_tokens(msg: worker_pb2.DraftTokens, obj: DraftTokens) -> None:
     msg.request_id = obj.request_id
-    msg.token_ids.extend(obj.token_ids)
+    if obj.token_ids:
+        msg.token_ids.extend(obj.token_ids)
 
 
 def _read_draft_tokens(msg: worker_pb2.DraftTokens) -> DraftTokens:
-    return DraftTokens(
-        request_id=msg.request_id,
-        token_ids=msg.token_ids[:],
+    return DraftTokens(  # the fields in order
+        msg.request_id,
+        msg.token_ids[:],
     )
 
 
 def _fill_scheduler_output(msg: worker_pb2.SchedulerOutput, obj: SchedulerOutput) -> None:
     msg.step_id = obj.step_id
-    _fill_each(msg.scheduled_new_reqs, obj.scheduled_new_reqs, _fill_new_request_data)
-    _fill_each(msg.scheduled_cached_reqs, obj.scheduled_cached_reqs, _fill_cached_request_data)
-    msg.num_scheduled_tokens.update(obj.num_scheduled_tokens)
+    if obj.scheduled_new_reqs:
+        _fill_each(msg.scheduled_new_reqs, obj.scheduled_new_reqs, _fill_new_request_data)
+    if obj.scheduled_cached_reqs:
+        _fill_each(msg.scheduled_cached_reqs, obj.scheduled_cached_reqs, _fill_cached_request_data)
+    if obj.num_scheduled_tokens:
+        msg.num_scheduled_tokens.update(obj.num_scheduled_tokens)
     msg.total_num_scheduled_tokens = obj.total_num_scheduled_tokens
-    msg.finished_req_ids.extend(obj.finished_req_ids)
-    msg.preempted_req_ids.extend(obj.preempted_req_ids)
-    _fill_each(
-        msg.scheduled_spec_decode_tokens, obj.scheduled_spec_decode_tokens, _fill_draft_tokens
-    )
-    msg.trace_contexts.extend(obj.trace_contexts)
+    if obj.finished_req_ids:
+        msg.finished_req_ids.extend(obj.finished_req_ids)
+    if obj.preempted_req_ids:
+        msg.preempted_req_ids.extend(obj.preempted_req_ids)
+    if obj.scheduled_spec_decode_tokens:
+        _fill_each(
+            msg.scheduled_spec_decode_tokens, obj.scheduled_spec_decode_tokens, _fill_draft_tokens
+        )
+    if obj.trace_contexts:
+        msg.trace_contexts.extend(obj.trace_contexts)
 
 
 def _read_scheduler_output(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
-    return SchedulerOutput(
-        step_id=msg.step_id,
-        scheduled_new_reqs=[_read_new_request_data(item) for item in msg.scheduled_new_reqs],
-        scheduled_cached_reqs=[
-            _read_cached_request_data(item) for item in msg.scheduled_cached_reqs
-        ],
-        num_scheduled_tokens=dict(msg.num_scheduled_tokens),
-        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
-        finished_req_ids=msg.finished_req_ids[:],
-        preempted_req_ids=msg.preempted_req_ids[:],
-        scheduled_spec_decode_tokens=[
-            _read_draft_tokens(item) for item in msg.scheduled_spec_decode_tokens
-        ],
-        trace_contexts=msg.trace_contexts[:],
+    return SchedulerOutput(  # the fields in order
+        msg.step_id,
+        list(map(_read_new_request_data, msg.scheduled_new_reqs)) if msg.scheduled_new_reqs else [],
+        list(map(_read_cached_request_data, msg.scheduled_cached_reqs))
+        if msg.scheduled_cached_reqs
+        else [],
+        dict(msg.num_scheduled_tokens),
+        msg.total_num_scheduled_tokens,
+        msg.finished_req_ids[:],
+        msg.preempted_req_ids[:],
+        list(map(_read_draft_tokens, msg.scheduled_spec_decode_tokens))
+        if msg.scheduled_spec_decode_tokens
+        else [],
+        msg.trace_contexts[:],
     )
 
 
 def _fill_sampled_tokens(msg: worker_pb2.SampledTokens, obj: SampledTokens) -> None:
-    msg.token_ids.extend(obj.token_ids)
-    _fill_each(msg.logprobs, obj.logprobs, _fill_token_logprobs)
+    if obj.token_ids:
+        msg.token_ids.extend(obj.token_ids)
+    if obj.logprobs:
+        _fill_each(msg.logprobs, obj.logprobs, _fill_token_logprobs)
 
 
 def _read_sampled_tokens(msg: worker_pb2.SampledTokens) -> SampledTokens:
-    return SampledTokens(
-        token_ids=msg.token_ids[:],
-        logprobs=[_read_token_logprobs(item) for item in msg.logprobs],
+    return SampledTokens(  # the fields in order
+        msg.token_ids[:],
+        list(map(_read_token_logprobs, msg.logprobs)) if msg.logprobs else [],
     )
 
 
 def _fill_prompt_logprobs(msg: worker_pb2.PromptLogprobs, obj: PromptLogprobs) -> None:
     msg.request_id = obj.request_id
     msg.start = obj.start
-    _fill_each(msg.logprobs, obj.logprobs, _fill_token_logprobs)
+    if obj.logprobs:
+        _fill_each(msg.logprobs, obj.logprobs, _fill_token_logprobs)
 
 
 def _read_prompt_logprobs(msg: worker_pb2.PromptLogprobs) -> PromptLogprobs:
-    return PromptLogprobs(
-        request_id=msg.request_id,
-        start=msg.start,
-        logprobs=[_read_token_logprobs(item) for item in msg.logprobs],
+    return PromptLogprobs(  # the fields in order
+        msg.request_id,
+        msg.start,
+        list(map(_read_token_logprobs, msg.logprobs)) if msg.logprobs else [],
     )
 
 
@@ -829,11 +848,11 @@ def _fill_worker_timings(msg: worker_pb2.WorkerTimings, obj: WorkerTimings) -> N
 
 
 def _read_worker_timings(msg: worker_pb2.WorkerTimings) -> WorkerTimings:
-    return WorkerTimings(
-        prepare_ms=msg.prepare_ms,
-        forward_ms=msg.forward_ms,
-        sample_ms=msg.sample_ms,
-        total_ms=msg.total_ms,
+    return WorkerTimings(  # the fields in order
+        msg.prepare_ms,
+        msg.forward_ms,
+        msg.sample_ms,
+        msg.total_ms,
     )
 
 
@@ -843,35 +862,41 @@ def _fill_pooled_output(msg: worker_pb2.PooledOutput, obj: PooledOutput) -> None
 
 
 def _read_pooled_output(msg: worker_pb2.PooledOutput) -> PooledOutput:
-    return PooledOutput(
-        request_id=msg.request_id,
-        data=msg.data,
+    return PooledOutput(  # the fields in order
+        msg.request_id,
+        msg.data,
     )
 
 
 def _fill_model_runner_output(msg: worker_pb2.ModelRunnerOutput, obj: ModelRunnerOutput) -> None:
     msg.step_id = obj.step_id
-    msg.req_ids.extend(obj.req_ids)
-    _fill_each(msg.sampled, obj.sampled, _fill_sampled_tokens)
-    _fill_each(msg.prompt_logprobs, obj.prompt_logprobs, _fill_prompt_logprobs)
+    if obj.req_ids:
+        msg.req_ids.extend(obj.req_ids)
+    if obj.sampled:
+        _fill_each(msg.sampled, obj.sampled, _fill_sampled_tokens)
+    if obj.prompt_logprobs:
+        _fill_each(msg.prompt_logprobs, obj.prompt_logprobs, _fill_prompt_logprobs)
     _fill_worker_timings(msg.timings, obj.timings)
-    msg.request_errors.update(obj.request_errors)
+    if obj.request_errors:
+        msg.request_errors.update(obj.request_errors)
     msg.error = obj.error
-    _fill_each(msg.pooler_output, obj.pooler_output, _fill_pooled_output)
-    _fill_each(msg.draft_token_ids, obj.draft_token_ids, _fill_draft_tokens)
+    if obj.pooler_output:
+        _fill_each(msg.pooler_output, obj.pooler_output, _fill_pooled_output)
+    if obj.draft_token_ids:
+        _fill_each(msg.draft_token_ids, obj.draft_token_ids, _fill_draft_tokens)
 
 
 def _read_model_runner_output(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
-    return ModelRunnerOutput(
-        step_id=msg.step_id,
-        req_ids=msg.req_ids[:],
-        sampled=[_read_sampled_tokens(item) for item in msg.sampled],
-        prompt_logprobs=[_read_prompt_logprobs(item) for item in msg.prompt_logprobs],
-        timings=_read_worker_timings(msg.timings),
-        request_errors=dict(msg.request_errors),
-        error=msg.error,
-        pooler_output=[_read_pooled_output(item) for item in msg.pooler_output],
-        draft_token_ids=[_read_draft_tokens(item) for item in msg.draft_token_ids],
+    return ModelRunnerOutput(  # the fields in order
+        msg.step_id,
+        msg.req_ids[:],
+        list(map(_read_sampled_tokens, msg.sampled)) if msg.sampled else [],
+        list(map(_read_prompt_logprobs, msg.prompt_logprobs)) if msg.prompt_logprobs else [],
+        _read_worker_timings(msg.timings),
+        dict(msg.request_errors),
+        msg.error,
+        list(map(_read_pooled_output, msg.pooler_output)) if msg.pooler_output else [],
+        list(map(_read_draft_tokens, msg.draft_token_ids)) if msg.draft_token_ids else [],
     )
 
 
@@ -879,7 +904,8 @@ def _fill_model_info(msg: worker_pb2.ModelInfo, obj: ModelInfo) -> None:
     msg.model_name = obj.model_name
     msg.max_model_len = obj.max_model_len
     msg.vocab_size = obj.vocab_size
-    msg.eos_token_ids.extend(obj.eos_token_ids)
+    if obj.eos_token_ids:
+        msg.eos_token_ids.extend(obj.eos_token_ids)
     msg.architecture = obj.architecture
     msg.dtype = obj.dtype
     msg.device = obj.device
@@ -890,22 +916,22 @@ def _fill_model_info(msg: worker_pb2.ModelInfo, obj: ModelInfo) -> None:
 
 
 def _read_model_info(msg: worker_pb2.ModelInfo) -> ModelInfo:
-    return ModelInfo(
-        model_name=msg.model_name,
-        max_model_len=msg.max_model_len,
-        vocab_size=msg.vocab_size,
-        eos_token_ids=tuple(msg.eos_token_ids),
-        architecture=msg.architecture,
-        dtype=msg.dtype,
-        device=msg.device,
-        instance_id=msg.instance_id,
-        host_id=msg.host_id,
-        runner=msg.runner if msg.HasField("runner") else "generate",
-        pooling_type=msg.pooling_type,
+    return ModelInfo(  # the fields in order
+        msg.model_name,
+        msg.max_model_len,
+        msg.vocab_size,
+        tuple(msg.eos_token_ids),
+        msg.architecture,
+        msg.dtype,
+        msg.device,
+        msg.instance_id,
+        msg.host_id,
+        msg.runner if msg.HasField("runner") else "generate",
+        msg.pooling_type,
     )
 
 
-def _fill_k_v_cache_spec(msg: worker_pb2.KVCacheSpec, obj: KVCacheSpec) -> None:
+def _fill_kv_cache_spec(msg: worker_pb2.KVCacheSpec, obj: KVCacheSpec) -> None:
     msg.num_layers = obj.num_layers
     msg.num_kv_heads = obj.num_kv_heads
     msg.head_dim = obj.head_dim
@@ -917,17 +943,17 @@ def _fill_k_v_cache_spec(msg: worker_pb2.KVCacheSpec, obj: KVCacheSpec) -> None:
     msg.rope_recompute_length = obj.rope_recompute_length
 
 
-def _read_k_v_cache_spec(msg: worker_pb2.KVCacheSpec) -> KVCacheSpec:
-    return KVCacheSpec(
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        dtype=msg.dtype,
-        block_size=msg.block_size if msg.HasField("block_size") else 16,
-        bytes_per_block=msg.bytes_per_block,
-        sliding_window=msg.sliding_window,
-        length_dependent_rope=msg.length_dependent_rope,
-        rope_recompute_length=msg.rope_recompute_length,
+def _read_kv_cache_spec(msg: worker_pb2.KVCacheSpec) -> KVCacheSpec:
+    return KVCacheSpec(  # the fields in order
+        msg.num_layers,
+        msg.num_kv_heads,
+        msg.head_dim,
+        msg.dtype,
+        msg.block_size if msg.HasField("block_size") else 16,
+        msg.bytes_per_block,
+        msg.sliding_window,
+        msg.length_dependent_rope,
+        msg.rope_recompute_length,
     )
 
 
@@ -967,7 +993,7 @@ FILL: dict[type, Callable[[Any, Any], None]] = {
     TensorHandle: _fill_tensor_handle,
     MultiModalInput: _fill_multi_modal_input,
     PoolingParams: _fill_pooling_params,
-    LoRARequest: _fill_lo_r_a_request,
+    LoRARequest: _fill_lora_request,
     EngineCoreRequest: _fill_engine_core_request,
     TokenLogprobs: _fill_token_logprobs,
     RequestTimestamps: _fill_request_timestamps,
@@ -984,7 +1010,7 @@ FILL: dict[type, Callable[[Any, Any], None]] = {
     PooledOutput: _fill_pooled_output,
     ModelRunnerOutput: _fill_model_runner_output,
     ModelInfo: _fill_model_info,
-    KVCacheSpec: _fill_k_v_cache_spec,
+    KVCacheSpec: _fill_kv_cache_spec,
 }
 READ: dict[type, Callable[[Any], Any]] = {
     StructuredOutputParams: rules.read_structured_output,
@@ -994,7 +1020,7 @@ READ: dict[type, Callable[[Any], Any]] = {
     TensorHandle: _read_tensor_handle,
     MultiModalInput: _read_multi_modal_input,
     PoolingParams: _read_pooling_params,
-    LoRARequest: _read_lo_r_a_request,
+    LoRARequest: _read_lora_request,
     EngineCoreRequest: _read_engine_core_request,
     TokenLogprobs: _read_token_logprobs,
     RequestTimestamps: _read_request_timestamps,
@@ -1011,5 +1037,5 @@ READ: dict[type, Callable[[Any], Any]] = {
     PooledOutput: _read_pooled_output,
     ModelRunnerOutput: _read_model_runner_output,
     ModelInfo: _read_model_info,
-    KVCacheSpec: _read_k_v_cache_spec,
+    KVCacheSpec: _read_kv_cache_spec,
 }
