@@ -17,12 +17,16 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import grpc_tools
+from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
+from grpc_tools import protoc
 
 from services.pb import engine_pb2, options_pb2, worker_pb2
 
@@ -76,9 +80,9 @@ T = TypeVar("T")
 
 
 def _fill_each(
-    field: RepeatedCompositeFieldContainer[M], items: Iterable[T], fill: Callable[[M, T], None]
+    messages: RepeatedCompositeFieldContainer[M], items: Iterable[T], fill: Callable[[M, T], None]
 ) -> None:
-    add = field.add
+    add = messages.add
     for item in items:
         fill(add(), item)
 '''
@@ -99,6 +103,33 @@ def snake(name: str) -> str:
 
 def module(desc: Descriptor | EnumDescriptor) -> str:
     return desc.file.name.removesuffix(".proto") + "_pb2"
+
+
+def comments() -> dict[str, str]:
+    """The comment above each top-level message and enum of protos/, by full name."""
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "protos.pb"
+        args = ["protoc", f"-I{ROOT / 'protos'}", f"-I{include}", "--include_source_info"]
+        protos = [str(p) for p in sorted((ROOT / "protos").glob("*.proto"))]
+        if protoc.main([*args, f"--descriptor_set_out={out}", *protos]) != 0:
+            raise SystemExit("protoc failed")
+        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    found = {}
+    for f in files:
+        text = {tuple(loc.path): loc.leading_comments for loc in f.source_code_info.location}
+        for kind, items in ((4, f.message_type), (5, f.enum_type)):  # FileDescriptorProto tags
+            for i, item in enumerate(items):
+                found[f"{f.package}.{item.name}"] = text.get((kind, i), "")
+    return found
+
+
+def docstring(full_name: str, file: str, comment: str) -> Iterator[str]:
+    """The proto comment as the docstring, then where it comes from."""
+    lines = [line.strip() for line in comment.strip().splitlines()]
+    lines += ["", f"{full_name} in protos/{file}."] if lines else [f"{full_name} in protos/{file}."]
+    text = '"""' + "\n".join(lines) + '"""'
+    yield from (f"    {line}" if line else "" for line in text.splitlines())
 
 
 def messages() -> list[Descriptor]:
@@ -223,21 +254,21 @@ def enum_members(desc: EnumDescriptor) -> list[tuple[str, int]]:
     return [(v.name.removeprefix(prefix), v.number) for v in desc.values]
 
 
-def render_enum(desc: EnumDescriptor, rules: set[str]) -> Iterator[str]:
+def render_enum(desc: EnumDescriptor, rules: set[str], doc: str) -> Iterator[str]:
     bases = ([f"rules.{desc.name}Rules"] if f"{desc.name}Rules" in rules else []) + ["enum.IntEnum"]
     yield f"class {desc.name}({', '.join(bases)}):"
-    yield f'    """{desc.full_name} ({desc.file.name})."""'
+    yield from docstring(desc.full_name, desc.file.name, doc)
     yield ""
     for member, number in enum_members(desc):
         yield f"    {member} = {number}"
 
 
-def render_class(desc: Descriptor, fields: list[Field], rules: set[str]) -> Iterator[str]:
+def render_class(desc: Descriptor, fields: list[Field], rules: set[str], doc: str) -> Iterator[str]:
     frozen = "frozen=True, " if desc.GetOptions().Extensions[options_pb2.frozen] else ""
     base = f"(rules.{desc.name}Rules)" if f"{desc.name}Rules" in rules else ""
     yield f"@dataclass({frozen}slots=True)"
     yield f"class {desc.name}{base}:"
-    yield f'    """{desc.full_name} ({desc.file.name})."""'
+    yield from docstring(desc.full_name, desc.file.name, doc)
     yield ""
     for f in fields:
         yield f"    {f.name}: {f.hint}" + ("" if f.default is None else f" = {f.default}")
@@ -292,8 +323,9 @@ def render() -> str:
     rules = {n.name for n in ast.parse(RULES.read_text()).body if isinstance(n, ast.ClassDef)}
     descs = messages()
     plans = {d.name: [plan(fd) for fd in d.fields] for d in descs}
-    blocks = [list(render_enum(e, rules)) for e in enums(descs)]
-    blocks += [list(render_class(d, plans[d.name], rules)) for d in descs]
+    docs = comments()
+    blocks = [list(render_enum(e, rules, docs[e.full_name])) for e in enums(descs)]
+    blocks += [list(render_class(d, plans[d.name], rules, docs[d.full_name])) for d in descs]
     blocks += [list(render_converters(d, plans[d.name])) for d in descs]
     pairs = [(d.name, f"{module(d)}.{d.name}", snake(d.name)) for d in descs]
     table = ["# Each type's message and converters, for services.convert."]

@@ -25,15 +25,17 @@ T = TypeVar("T")
 
 
 def _fill_each(
-    field: RepeatedCompositeFieldContainer[M], items: Iterable[T], fill: Callable[[M, T], None]
+    messages: RepeatedCompositeFieldContainer[M], items: Iterable[T], fill: Callable[[M, T], None]
 ) -> None:
-    add = field.add
+    add = messages.add
     for item in items:
         fill(add(), item)
 
 
 class FinishReason(rules.FinishReasonRules, enum.IntEnum):
-    """tessera.v1.FinishReason (engine.proto)."""
+    """Why a request ended.
+
+    tessera.v1.FinishReason in protos/engine.proto."""
 
     UNSPECIFIED = 0
     STOP = 1
@@ -44,7 +46,9 @@ class FinishReason(rules.FinishReasonRules, enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams(rules.SamplingParamsRules):
-    """tessera.v1.SamplingParams (engine.proto)."""
+    """How to pick tokens and when to stop; the gateway expands n > 1 into n requests.
+
+    tessera.v1.SamplingParams in protos/engine.proto."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -66,7 +70,10 @@ class SamplingParams(rules.SamplingParamsRules):
 
 @dataclass(frozen=True, slots=True)
 class CudaIpcLocation:
-    """tessera.v1.CudaIpcLocation (tensor.proto)."""
+    """What torch needs to reopen a CUDA tensor exported with CUDA IPC
+    (the fields of torch.multiprocessing.reductions.rebuild_cuda_tensor).
+
+    tessera.v1.CudaIpcLocation in protos/tensor.proto."""
 
     device_index: int = 0
     ipc_memory_handle: bytes = b""
@@ -82,7 +89,9 @@ class CudaIpcLocation:
 
 @dataclass(frozen=True, slots=True)
 class SharedMemoryLocation:
-    """tessera.v1.SharedMemoryLocation (tensor.proto)."""
+    """A region of a POSIX shared-memory segment (/dev/shm) holding the tensor contiguously.
+
+    tessera.v1.SharedMemoryLocation in protos/tensor.proto."""
 
     name: str = ""
     offset: int = 0
@@ -91,7 +100,10 @@ class SharedMemoryLocation:
 
 @dataclass(frozen=True, slots=True)
 class TensorHandle(rules.TensorHandleRules):
-    """tessera.v1.TensorHandle (tensor.proto)."""
+    """A tensor passed by reference: the bytes stay where they are and the message
+    says how to reach them (multimodal inputs, never KV tensors).
+
+    tessera.v1.TensorHandle in protos/tensor.proto."""
 
     dtype: str = "float32"
     shape: tuple[int, ...] = ()
@@ -102,7 +114,9 @@ class TensorHandle(rules.TensorHandleRules):
 
 @dataclass(frozen=True, slots=True)
 class MultiModalInput:
-    """tessera.v1.MultiModalInput (engine.proto)."""
+    """One multimodal item whose processed tensor fills placeholder tokens of the prompt.
+
+    tessera.v1.MultiModalInput in protos/engine.proto."""
 
     modality: str = "image"
     offset: int = 0
@@ -114,7 +128,9 @@ class MultiModalInput:
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams(rules.PoolingParamsRules):
-    """tessera.v1.PoolingParams (engine.proto)."""
+    """How to pool a prefill-only (embedding) request (vLLM's PoolingParams).
+
+    tessera.v1.PoolingParams in protos/engine.proto."""
 
     dimensions: int | None = None
     normalize: bool | None = None
@@ -122,7 +138,9 @@ class PoolingParams(rules.PoolingParamsRules):
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest(rules.LoRARequestRules):
-    """tessera.v1.LoRARequest (engine.proto)."""
+    """A LoRA adapter a request runs with (vLLM's LoRARequest).
+
+    tessera.v1.LoRARequest in protos/engine.proto."""
 
     lora_name: str
     lora_int_id: int
@@ -131,7 +149,9 @@ class LoRARequest(rules.LoRARequestRules):
 
 @dataclass(frozen=True, slots=True)
 class EngineCoreRequest:
-    """tessera.v1.EngineCoreRequest (engine.proto)."""
+    """A tokenized request from the gateway.
+
+    tessera.v1.EngineCoreRequest in protos/engine.proto."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -147,7 +167,9 @@ class EngineCoreRequest:
 
 @dataclass(slots=True)
 class TokenLogprobs(rules.TokenLogprobsRules):
-    """tessera.v1.TokenLogprobs (engine.proto)."""
+    """Log-probabilities at one position.
+
+    tessera.v1.TokenLogprobs in protos/engine.proto."""
 
     token_id: int = 0
     logprob: float = 0.0
@@ -158,7 +180,9 @@ class TokenLogprobs(rules.TokenLogprobsRules):
 
 @dataclass(slots=True)
 class RequestTimestamps:
-    """tessera.v1.RequestTimestamps (engine.proto)."""
+    """When a request passed each milestone (unix seconds; 0 = not yet).
+
+    tessera.v1.RequestTimestamps in protos/engine.proto."""
 
     queued: float = 0.0
     scheduled: float = 0.0
@@ -167,7 +191,9 @@ class RequestTimestamps:
 
 @dataclass(slots=True)
 class EngineCoreOutput(rules.EngineCoreOutputRules):
-    """tessera.v1.EngineCoreOutput (engine.proto)."""
+    """One update of one request: the tokens produced since the last update.
+
+    tessera.v1.EngineCoreOutput in protos/engine.proto."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
@@ -183,7 +209,9 @@ class EngineCoreOutput(rules.EngineCoreOutputRules):
 
 @dataclass(frozen=True, slots=True)
 class ServerInfo:
-    """tessera.v1.ServerInfo (engine.proto)."""
+    """The served model and the cache it runs with.
+
+    tessera.v1.ServerInfo in protos/engine.proto."""
 
     model_name: str = ""
     max_model_len: int = 0
@@ -203,7 +231,9 @@ class ServerInfo:
 
 @dataclass(slots=True)
 class SchedulerStats:
-    """tessera.v1.SchedulerStats (engine.proto)."""
+    """Scheduler figures at one moment; counters are totals since start.
+
+    tessera.v1.SchedulerStats in protos/engine.proto."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -227,7 +257,9 @@ class SchedulerStats:
 
 @dataclass(slots=True)
 class NewRequestData:
-    """tessera.v1.NewRequestData (worker.proto)."""
+    """Full data of a request the worker has not seen (or saw before it was preempted).
+
+    tessera.v1.NewRequestData in protos/worker.proto."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -243,7 +275,9 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """tessera.v1.CachedRequestData (worker.proto)."""
+    """What changed for a request the worker already holds.
+
+    tessera.v1.CachedRequestData in protos/worker.proto."""
 
     request_id: str
     new_block_ids: list[int] = field(default_factory=list)
@@ -252,7 +286,9 @@ class CachedRequestData:
 
 @dataclass(slots=True)
 class DraftTokens:
-    """tessera.v1.DraftTokens (worker.proto)."""
+    """Draft tokens of one request (speculative decoding).
+
+    tessera.v1.DraftTokens in protos/worker.proto."""
 
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -260,7 +296,9 @@ class DraftTokens:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """tessera.v1.SchedulerOutput (worker.proto)."""
+    """One engine step, as decided by Scheduler.schedule().
+
+    tessera.v1.SchedulerOutput in protos/worker.proto."""
 
     step_id: int = 0
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -275,7 +313,9 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SampledTokens:
-    """tessera.v1.SampledTokens (worker.proto)."""
+    """Tokens sampled for one request in one step.
+
+    tessera.v1.SampledTokens in protos/worker.proto."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -283,7 +323,9 @@ class SampledTokens:
 
 @dataclass(slots=True)
 class PromptLogprobs:
-    """tessera.v1.PromptLogprobs (worker.proto)."""
+    """Logprobs of the prompt positions computed this step.
+
+    tessera.v1.PromptLogprobs in protos/worker.proto."""
 
     request_id: str = ""
     start: int = 0
@@ -292,7 +334,9 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class WorkerTimings:
-    """tessera.v1.WorkerTimings (worker.proto)."""
+    """Where a worker's time went in one step (milliseconds).
+
+    tessera.v1.WorkerTimings in protos/worker.proto."""
 
     prepare_ms: float = 0.0
     forward_ms: float = 0.0
@@ -302,7 +346,9 @@ class WorkerTimings:
 
 @dataclass(slots=True)
 class PooledOutput:
-    """tessera.v1.PooledOutput (worker.proto)."""
+    """The pooled vector of an embedding request whose prompt was completed this step.
+
+    tessera.v1.PooledOutput in protos/worker.proto."""
 
     request_id: str = ""
     data: bytes = b""
@@ -310,7 +356,9 @@ class PooledOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """tessera.v1.ModelRunnerOutput (worker.proto)."""
+    """The result of one step.
+
+    tessera.v1.ModelRunnerOutput in protos/worker.proto."""
 
     step_id: int = 0
     req_ids: list[str] = field(default_factory=list)
@@ -325,7 +373,9 @@ class ModelRunnerOutput:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """tessera.v1.ModelInfo (worker.proto)."""
+    """The model this worker loaded.
+
+    tessera.v1.ModelInfo in protos/worker.proto."""
 
     model_name: str = ""
     max_model_len: int = 0
@@ -342,7 +392,9 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """tessera.v1.KVCacheSpec (worker.proto)."""
+    """Layout of one KV block on a worker.
+
+    tessera.v1.KVCacheSpec in protos/worker.proto."""
 
     num_layers: int = 0
     num_kv_heads: int = 0
