@@ -118,9 +118,11 @@ def comments() -> dict[str, str]:
     found = {}
     for f in files:
         text = {tuple(loc.path): loc.leading_comments for loc in f.source_code_info.location}
-        for kind, items in ((4, f.message_type), (5, f.enum_type)):  # FileDescriptorProto tags
-            for i, item in enumerate(items):
-                found[f"{f.package}.{item.name}"] = text.get((kind, i), "")
+        # 4 and 5: FileDescriptorProto's message_type and enum_type fields
+        names = [(4, i, m.name) for i, m in enumerate(f.message_type)]
+        names += [(5, i, e.name) for i, e in enumerate(f.enum_type)]
+        for kind, i, name in names:
+            found[f"{f.package}.{name}"] = text.get((kind, i), "")
     return found
 
 
