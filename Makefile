@@ -23,12 +23,13 @@ $(STAMP): pyproject.toml
 config-doc: $(PB_STAMP)
 	$(PY) -m tessera.config_doc
 
-# Python stubs are generated from protos/ and never edited by hand.
+# Python stubs (services/pb/) and the wire types (services/wire.py, checked in) are generated
+# from protos/ and never edited by hand.
 proto: $(STAMP)
 	rm -f $(PB_STAMP)
 	$(MAKE) $(PB_STAMP)
 
-$(PB_STAMP): $(PROTOS) $(STAMP) scripts/gen_protos.sh
+$(PB_STAMP): $(PROTOS) $(STAMP) scripts/gen_protos.sh scripts/gen_wire_types.py services/wire_rules.py
 	bash scripts/gen_protos.sh $(PY)
 	touch $@
 

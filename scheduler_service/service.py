@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import sys
 import time
@@ -185,14 +184,10 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServicer):
 
 
 def request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineCoreRequest:
-    """`from_proto`, plus a non-empty request_id and engine.proto's rule that an unset
-    max_tokens means up to max_model_len (SamplingParams defaults to 16 in process)."""
+    """`from_proto`, plus a non-empty request_id."""
     req = from_proto(msg, EngineCoreRequest)
     if not req.request_id:
         raise ValueError("request_id must not be empty")
-    if not msg.sampling_params.HasField("max_tokens"):
-        params = dataclasses.replace(req.sampling_params, max_tokens=None)
-        req = dataclasses.replace(req, sampling_params=params)
     return req
 
 

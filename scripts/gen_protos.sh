@@ -10,3 +10,5 @@ PATH="$(dirname "$PY"):$PATH" "$PY" -m grpc_tools.protoc -I protos \
     protos/*.proto
 # protoc writes top-level imports (`import engine_pb2`); make them package-relative.
 sed -i -E 's/^import (\w+_pb2) as /from . import \1 as /' "$OUT"/*_pb2*.py "$OUT"/*_pb2*.pyi
+# The domain dataclasses and their converters (checked in, tests/foundation/test_wire_types.py).
+"$PY" -m scripts.gen_wire_types

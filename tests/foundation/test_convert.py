@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -214,6 +215,13 @@ CASES: list[Any] = [
 ]
 CASES.append(StructuredOutputParams(json='{"type": "object"}'))
 MESSAGE_FOR = dict(convert.PAIRS)
+UNSET_SAMPLING = SamplingParams(max_tokens=None)
+REQUIRED_VALUES: dict[str, Any] = {
+    "request_id": "r",
+    "prompt_token_ids": [1],
+    "lora_name": "a",
+    "lora_int_id": 1,
+}
 
 
 def _message_class(obj: Any) -> type[Message]:
@@ -243,9 +251,41 @@ def test_round_trip_with_all_fields_set(obj: Any) -> None:
     assert convert.from_proto(wire, type(obj)) == obj
 
 
+def _types_in(obj: Any) -> set[type]:
+    """The type of `obj` and of every domain object inside it."""
+    if isinstance(obj, (list, tuple)):
+        return set().union(*map(_types_in, obj))
+    if not dataclasses.is_dataclass(obj):
+        return set()
+    inside = [_types_in(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return {type(obj)}.union(*inside)
+
+
 def test_every_pair_has_a_case() -> None:
-    covered = {type(c) for c in CASES}
+    covered = set().union(*map(_types_in, CASES))
     assert {domain for domain, _ in convert.PAIRS} <= covered
+
+
+@pytest.mark.parametrize("cls", [c for c, _ in convert.PAIRS], ids=lambda c: c.__name__)
+def test_an_empty_message_decodes_to_the_defaults(cls: type) -> None:
+    """One default per field: an unset field means what the dataclass defaults to (and a
+    type whose defaults do not validate, like TensorHandle without a location, fails alike)."""
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    given = {name: REQUIRED_VALUES[name] for name in required}
+    message = MESSAGE_FOR[cls](**given)
+    try:
+        expected = cls(**given)
+        # the one field whose unset is None (up to max_model_len), not its default
+        if cls is SamplingParams:
+            expected = UNSET_SAMPLING
+        elif hasattr(expected, "sampling_params"):
+            expected = dataclasses.replace(expected, sampling_params=UNSET_SAMPLING)
+    except ValueError:
+        with pytest.raises(ValueError):
+            convert.from_proto(message, cls)
+        return
+    assert convert.from_proto(message, cls) == expected
 
 
 def test_unset_optional_fields_take_domain_defaults() -> None:
@@ -253,18 +293,22 @@ def test_unset_optional_fields_take_domain_defaults() -> None:
 
     params = convert.from_proto(engine_pb2.SamplingParams(), SamplingParams)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.repetition_penalty == 1.0
-    # an unset optional scalar is None (engine.proto: unset max_tokens = up to max_model_len),
-    # not the dataclass default of 16 for in-process callers
+    # unset max_tokens is None, up to max_model_len (engine.proto), not SamplingParams()'s 16
+    # for in-process callers, which travels set
     assert params.max_tokens is None and params.seed is None and params.logprobs is None
+    assert convert.to_proto(SamplingParams(), engine_pb2.SamplingParams).max_tokens == 16
     # so min_tokens past 16 without max_tokens decodes (checked later against max_model_len)
     msg = engine_pb2.SamplingParams(min_tokens=100)
     assert convert.from_proto(msg, SamplingParams).min_tokens == 100
+    # a zero value with a non-zero default travels (the field is `optional`)
+    healthy = convert.to_proto(SchedulerStats(healthy=False), engine_pb2.SchedulerStats)
+    assert convert.from_proto(healthy, SchedulerStats).healthy is False
 
 
 def test_mismatched_dataclass_is_a_clear_error() -> None:
     from services.pb import engine_pb2
 
-    with pytest.raises(TypeError, match="has no field"):
+    with pytest.raises(TypeError, match="does not travel as"):
         convert.to_proto(LOGPROBS, engine_pb2.SamplingParams)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 import typing
 from typing import Any
 
@@ -109,7 +110,7 @@ def _dataclass(cls: type, message_cls: type[Message]) -> st.SearchStrategy[Any]:
     fields = {}
     for f in dataclasses.fields(cls):
         fd, hint = by_name[f.name], hints[f.name]
-        bare = convert._strip_optional(hint)
+        bare = _strip_optional(hint)
         bounds = _PARAM_BOUNDS.get(f.name) if cls is SamplingParams else None
         if cls is SamplingParams and f.name == "logit_bias":
             bounds = (0, 2**31 - 1)
@@ -117,6 +118,14 @@ def _dataclass(cls: type, message_cls: type[Message]) -> st.SearchStrategy[Any]:
         optional = bare is not hint and not fd.is_repeated
         fields[f.name] = st.none() | strategy if optional else strategy
     return _valid(cls, fields)
+
+
+def _strip_optional(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
 
 
 @SETTINGS
