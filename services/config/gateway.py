@@ -82,13 +82,16 @@ class GatewayConfig:
     )
     max_queued_requests: int = flag(1024, "Requests in flight at once before new ones get 429.")
     cors_allow_origins: tuple[str, ...] = flag(
-        (), "An origin CORS allows (repeat the flag); none: CORS off.", name="--cors-allow-origin",
+        (),
+        "An origin CORS allows (repeat the flag); none: CORS off.",
+        name="--cors-allow-origin",
         nargs="append",
-    )  # fmt: skip
+    )
     max_body_bytes: int = flag(
-        32 << 20, "Largest request body, e.g. 32MiB; also the gRPC text API's largest message.",
+        32 << 20,
+        "Largest request body, e.g. 32MiB; also the gRPC text API's largest message.",
         **BYTES,
-    )  # fmt: skip
+    )
     max_inflight_bytes: int = flag(
         256 << 20,
         "Request bytes held at once over all requests (REST and gRPC), e.g. 256MiB; past it "
