@@ -19,7 +19,7 @@ import dataclasses
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 FLAG = "flag"  # the dataclass field metadata key holding its Flag
 T = TypeVar("T")
@@ -134,7 +134,7 @@ def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
     """A `cls` from the parsed flags: each flag field the parser took (flags it lacks keep
     their defaults), nested configs likewise, `given` as given (ValueError on bad values)."""
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cast(Any, cls)):
         inner = nested(f)
         if f.name in given:
             values[f.name] = given[f.name]

@@ -85,7 +85,7 @@ def _interpolated(arg: str) -> str:
 def _parser(module: str) -> argparse.ArgumentParser:
     if module == "tessera":
         return config_doc.serve_parser()
-    return importlib.import_module(f"{module}.__main__").build_parser()  # type: ignore[no-any-return]
+    return importlib.import_module(f"{module}.__main__").build_parser()
 
 
 def _configs(module: str, args: argparse.Namespace) -> Any:
