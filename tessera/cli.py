@@ -6,7 +6,6 @@ import argparse
 import os
 import secrets
 import sys
-from collections.abc import Sequence
 from dataclasses import replace
 
 from services.config import (
@@ -40,23 +39,6 @@ from tessera.launcher import (
     http_up,
 )
 
-SERVE_FLAGS: tuple[tuple[type, Sequence[str], Sequence[str]], ...] = (
-    (ModelConfig, (), ("device", "seed")),  # (config, only these fields, skip these)
-    (HubConfig, (), ()),
-    (
-        CacheConfig,
-        ("block_size", "enable_prefix_caching", "kv_cache_memory_bytes", "cache_dtype"),
-        (),
-    ),
-    (SchedulerConfig, ("max_num_seqs", "max_num_batched_tokens", "speculative_config"), ()),
-    (ParallelConfig, ("tensor_parallel_size", "enable_expert_parallel"), ()),
-    (GatewayConfig, (), ("cors_allow_origins", "max_body_bytes", "max_inflight_bytes")),
-    (RequestLimits, (), ()),
-    (LoRAConfig, (), ()),
-    (ObservabilityConfig, (), ()),
-    (Topology, (), ()),
-)
-
 
 def _serve_parser(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str = "serve"
@@ -66,9 +48,16 @@ def _serve_parser(
         "engine": "one engine replica (worker + scheduler; --host is the scheduler's), no gateway",
     }
     p = sub.add_parser(name, help=helps[name])
-    for cls, only, skip in SERVE_FLAGS:
-        add_flags(p, cls, only, skip)
+    add_flags(p, ModelConfig, skip=("device", "seed"))
     add_runner_args(p)
+    add_flags(p, CacheConfig, skip=("gpu_memory_utilization", "num_blocks_override"))
+    add_flags(
+        p, SchedulerConfig, only=("max_num_seqs", "max_num_batched_tokens", "speculative_config")
+    )
+    add_flags(p, ParallelConfig, only=("tensor_parallel_size", "enable_expert_parallel"))
+    add_flags(p, GatewayConfig, skip=("cors_allow_origins", "max_body_bytes", "max_inflight_bytes"))
+    for cls in (HubConfig, RequestLimits, LoRAConfig, ObservabilityConfig, Topology):
+        add_flags(p, cls)
     p.set_defaults(func=serve if name == "serve" else engine, engine_only=name == "engine")
 
 
