@@ -9,19 +9,49 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from scheduler_service.engine import EngineCore
 from scheduler_service.service import EngineCoreServer
 from scheduler_service.tracing import RequestSpans
 from scheduler_service.worker_client import GrpcWorkerClient
-from services.config import CacheConfig, SchedulerConfig, SpeculativeConfig, add_speculative_arg
+from services.config import (
+    HOST,
+    SCHEDULER_CACHE_FIELDS,
+    SCHEDULER_PORT,
+    CacheConfig,
+    SchedulerConfig,
+    SecurityConfig,
+)
+from services.flags import add_flags, flag, from_args
 from services.grpc_utils import health_status, set_internal_security
-from services.log import setup_logging
-from services.lora_config import add_lora_args, lora_from_args
-from services.security import add_security_args, security_from_args
-from services.tracing import add_observability_args, init_tracing, observability_from_args, tracer
+from services.log import LOG_LEVEL, setup_logging
+from services.lora_config import LoRAConfig
+from services.security import security_from_args
+from services.tracing import ObservabilityConfig, init_tracing, observability_from_args, tracer
 
 log = logging.getLogger("scheduler_service")
+
+
+@dataclass(frozen=True)
+class SchedulerProcess:
+    """`python -m scheduler_service` flags beyond its configs: where it listens, its workers."""
+
+    worker: tuple[str, ...] = flag(
+        (),
+        "Address of a worker rank (repeat for several ranks; rank 0 first).",
+        nargs="append",
+        metavar="HOST:PORT",
+        required=True,
+    )
+    host: str = HOST.field()
+    port: int = flag(SCHEDULER_PORT, "gRPC port (0: pick a free one).")
+    worker_wait_s: float = flag(600.0, "How long to wait at start for the workers to answer.")
+    step_timeout_s: float = flag(600.0, "A worker silent this long during a step counts as lost.")
+    log_level: str = LOG_LEVEL.field()
+
+
+FLAGS = (SchedulerProcess, SchedulerConfig, LoRAConfig, SecurityConfig, ObservabilityConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,69 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tessera scheduler: the EngineCore gRPC service (continuous batching, "
         "paged KV blocks, prefix caching) driving one or more workers.",
     )
-    p.add_argument(
-        "--worker",
-        action="append",
-        required=True,
-        metavar="HOST:PORT",
-        help="address of a worker rank (repeat for several ranks; rank 0 first)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step"
-    )
-    p.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="cap on one prompt's chunk per step (0: only the budget caps it)",
-    )
-    p.add_argument(
-        "--max-num-encoder-tokens",
-        type=int,
-        default=0,
-        help="image placeholder tokens encoded per step (0: the token budget)",
-    )
-    p.add_argument(
-        "--policy", choices=["fcfs", "priority"], default="fcfs", help="waiting-queue order"
-    )
-    p.add_argument(
-        "--no-chunked-prefill",
-        action="store_true",
-        help="admit a prompt only when it fits the step budget whole",
-    )
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    p.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="schedule each step only after the previous one's output is back "
-        "(default: schedule step n+1 while the workers run step n)",
-    )
-    p.add_argument(
-        "--num-blocks",
-        type=int,
-        default=0,
-        help="force the KV pool size in blocks (0: decided by the memory handshake)",
-    )
-    p.add_argument(
-        "--worker-wait-s",
-        type=float,
-        default=600.0,
-        help="how long to wait at start for the workers to answer",
-    )
-    p.add_argument(
-        "--step-timeout-s",
-        type=float,
-        default=600.0,
-        help="a worker silent this long during a step counts as lost",
-    )
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")  # fmt: skip
-    add_speculative_arg(p)
-    add_security_args(p)
-    add_lora_args(p)
-    add_observability_args(p)
+    for cls in FLAGS:
+        add_flags(p, cls)
+    add_flags(p, CacheConfig, only=SCHEDULER_CACHE_FIELDS)
     return p
 
 
@@ -102,21 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def configs(args: argparse.Namespace) -> tuple[SchedulerConfig, CacheConfig]:
     """The config dataclasses the flags describe (ValueError on bad values)."""
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        policy=args.policy,
-        async_scheduling=not args.no_async_scheduling,
-        max_num_encoder_tokens=args.max_num_encoder_tokens,
-        speculative_config=SpeculativeConfig.parse(args.speculative_config),
-        lora=lora_from_args(args),
-    )
-    cache_config = CacheConfig(
-        enable_prefix_caching=not args.no_prefix_caching, num_blocks_override=args.num_blocks
-    )
-    return scheduler_config, cache_config
+    return from_args(SchedulerConfig, args), from_args(CacheConfig, args)
 
 
 def wait_for_workers(addresses: Sequence[str], timeout_s: float) -> None:

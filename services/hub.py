@@ -9,7 +9,6 @@ model is resolved, never at import.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from collections.abc import Mapping
@@ -37,25 +36,6 @@ ALLOW_PATTERNS = [
 ]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _TRUE = {"1", "ON", "YES", "TRUE"}
-
-
-def add_hub_args(p: argparse.ArgumentParser) -> None:
-    """`--revision` and `--download-dir` (vLLM's names), shared by every parser taking --model."""
-    p.add_argument("--revision", default="", help="branch, tag or commit of a Hub model id")
-    p.add_argument(
-        "--download-dir",
-        default="",
-        help="Hugging Face cache for Hub models (default: HF_HUB_CACHE, else HF_HOME's hub/)",
-    )
-
-
-def hub_from_args(args: argparse.Namespace) -> HubConfig:
-    return HubConfig(revision=args.revision, download_dir=args.download_dir)
-
-
-def hub_flags(hub: HubConfig) -> list[str]:
-    """The flags that hand `hub` on to a service."""
-    return ["--revision", hub.revision, "--download-dir", hub.download_dir]
 
 
 def is_hub_id(model: str) -> bool:

@@ -14,6 +14,10 @@ import logging
 import sys
 from typing import TextIO
 
+from services.flags import Flag
+
+LOG_LEVEL = Flag("INFO", "DEBUG, INFO, WARNING or ERROR.")  # every service's --log-level
+
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 trace_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("trace_id", default="")
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import grpc
 
-from services.config import SecurityConfig
+from services.config import API_KEY_ENV, TOKEN_ENV, SecurityConfig
+from services.flags import from_args
 
-TOKEN_ENV = "TESSERA_INTERNAL_TOKEN"
-API_KEY_ENV = "TESSERA_API_KEY"  # the gateway's client API key, when --api-key is not given
+__all__ = ["API_KEY_ENV", "TOKEN_ENV"]  # re-exported: where the services read them
 
 
 def bearer_matches(header: str, token: str) -> bool:
@@ -25,35 +25,12 @@ def bearer_matches(header: str, token: str) -> bool:
     return hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
 
 
-def add_security_args(p: argparse.ArgumentParser) -> None:
-    """The internal token and TLS flags, shared by the three services."""
-    p.add_argument(
-        "--internal-token",
-        default="",
-        help=f"shared token of the internal services (prefer the {TOKEN_ENV} variable)",
-    )
-    p.add_argument("--tls-cert", default="", help="PEM certificate of this service (enables TLS)")
-    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--tls-ca", default="", help="PEM CA: verify peers with it (servers: mutual TLS)"
-    )
-    p.add_argument(
-        "--tls-server-name", default="", help="name to verify the peer certificate against"
-    )
-
-
 def security_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> SecurityConfig:
     """The SecurityConfig the flags (and TESSERA_INTERNAL_TOKEN) describe."""
     env = os.environ if environ is None else environ
-    return SecurityConfig(
-        token=args.internal_token or env.get(TOKEN_ENV, ""),
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_ca=args.tls_ca,
-        tls_server_name=args.tls_server_name,
-    )
+    return from_args(SecurityConfig, args, token=args.internal_token or env.get(TOKEN_ENV, ""))
 
 
 def _read(path: str) -> bytes | None:

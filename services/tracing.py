@@ -21,6 +21,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from services.flags import add_flags, flag, from_args
+
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context (vLLM's TRACE_HEADERS)
 DETAILED_TRACE_MODULES = ("model", "worker", "all")  # vLLM's --collect-detailed-traces
 LOG_FORMATS = ("text", "json")
@@ -62,17 +64,33 @@ class SpanAttributes:
     STEP_NUM_TOKENS = "tessera.step.num_tokens"
 
 
+def _modules(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
 @dataclass(frozen=True)
 class ObservabilityConfig:
     """Tracing and log format of one service (vLLM's ObservabilityConfig names)."""
 
-    # OTLP/gRPC collector URL (e.g. http://127.0.0.1:4317); empty: tracing off.
-    otlp_traces_endpoint: str = ""
-    # Detailed traces of these modules (vLLM's model, worker, all): a worker span for every
-    # step of a traced request; empty: only for the step that starts each one.
-    collect_detailed_traces: tuple[str, ...] = ()
-    # "text": `time level service [request id] logger: message`; "json": one object a line.
-    log_format: str = "text"
+    otlp_traces_endpoint: str = flag(
+        "",
+        "Export OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://127.0.0.1:4317; "
+        "empty: tracing off.",
+        metavar="URL",
+    )
+    collect_detailed_traces: tuple[str, ...] = flag(
+        (),
+        "Comma-separated model, worker or all (vLLM's modules): a worker span for every step of "
+        "a traced request; empty: only for the step that starts each one.",
+        metavar="MODULES",
+        parse=_modules,
+        show=",".join,
+    )
+    log_format: str = flag(
+        "text",
+        "text: `time level service [request id] logger: message`; json: one object a line.",
+        choices=LOG_FORMATS,
+    )
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.collect_detailed_traces if m not in DETAILED_TRACE_MODULES]
@@ -93,42 +111,13 @@ class ObservabilityConfig:
 
 def add_observability_args(p: argparse.ArgumentParser) -> None:
     """--otlp-traces-endpoint, --collect-detailed-traces (vLLM's names) and --log-format;
-    every service takes them, `tessera serve` passes them on with `observability_flags`."""
-    p.add_argument(
-        "--otlp-traces-endpoint",
-        default="",
-        metavar="URL",
-        help="export OpenTelemetry traces to this OTLP/gRPC collector, e.g. "
-        "http://127.0.0.1:4317 (default: tracing off)",
-    )
-    p.add_argument(
-        "--collect-detailed-traces",
-        default="",
-        metavar="MODULES",
-        help="comma-separated model, worker or all: a worker span for every step of a "
-        "traced request (default: the step that starts it)",
-    )
-    p.add_argument(
-        "--log-format", default="text", choices=LOG_FORMATS, help="text, or json: one object a line"
-    )
+    every service takes them."""
+    add_flags(p, ObservabilityConfig)
 
 
 def observability_from_args(args: argparse.Namespace) -> ObservabilityConfig:
-    """The `add_observability_args` options of `args` (ValueError on bad values)."""
-    modules = tuple(m.strip() for m in args.collect_detailed_traces.split(",") if m.strip())
-    return ObservabilityConfig(args.otlp_traces_endpoint, modules, args.log_format)
-
-
-def observability_flags(args: argparse.Namespace) -> list[str]:
-    """The options of `args` as service flags (checked here, before anything starts)."""
-    config = observability_from_args(args)
-    flags = ["--log-format", config.log_format]
-    if config.otlp_traces_endpoint:
-        require_packages()
-        flags += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
-    if config.collect_detailed_traces:
-        flags += ["--collect-detailed-traces", ",".join(config.collect_detailed_traces)]
-    return flags
+    """The observability flags of `args` (ValueError on bad values)."""
+    return from_args(ObservabilityConfig, args)
 
 
 def require_packages() -> None:

@@ -11,7 +11,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from services.config import ROUTINGS, parse_bytes
+from services.config import SCHEDULER_PORT, WORKER_PORT, parse_bytes
+from services.flags import flag
+from services.log import LOG_LEVEL
 
 PORT_STRIDE = 100  # replica i's ports are the first replica's + PORT_STRIDE * i
 
@@ -29,19 +31,25 @@ class EngineReplica:
     suffix: str  # service name suffix: "" with one replica, "-i" with several
 
 
-def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engine replicas (scheduler + worker pairs) behind the one gateway",
+@dataclass(frozen=True)
+class Topology:
+    """`tessera serve` / `tessera engine` flags beyond the services' own: replicas, ports."""
+
+    data_parallel_size: int = flag(
+        1, "Engine replicas (scheduler + worker pairs) behind the one gateway."
     )
-    p.add_argument(
-        "--routing",
-        default="affinity",
-        choices=ROUTINGS,
-        help="how the gateway spreads requests over replicas (prefix affinity by default)",
+    scheduler_port: int = flag(
+        SCHEDULER_PORT,
+        f"Port of the scheduler (replica i of --data-parallel-size: + {PORT_STRIDE} i).",
     )
+    worker_port: int = flag(
+        WORKER_PORT, f"Loopback port of the worker (replica i: + {PORT_STRIDE} i)."
+    )
+    worker_threads: int = flag(
+        0, "Each worker's torch CPU threads; 0: all cores (split over data-parallel replicas)."
+    )
+    start_timeout: float = flag(300.0, "Seconds each service may take to start.")
+    log_level: str = LOG_LEVEL.field()
 
 
 def data_parallel_replicas(

@@ -22,7 +22,6 @@ from services.config import (
     DEFAULT_MODEL,
     CacheConfig,
     HubConfig,
-    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -32,6 +31,7 @@ from services.config import (
     resolve_runner,
 )
 from services.default_model import resolve_model, served_name
+from services.lora_config import LoRAConfig
 from services.pooling import check_pooling_params, read_pooler_config
 from services.step_types import SchedulerStats
 from services.types import (

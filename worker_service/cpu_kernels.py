@@ -16,14 +16,13 @@ support) the worker falls back to float32 GEMMs with the reason logged, rather t
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config import QUANTIZATION_GROUP_SIZES, QUANTIZATIONS, ModelConfig
+from services.config import ModelConfig
 
 # Flags worth naming in logs and benchmark records, in this order.
 NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
@@ -123,34 +122,3 @@ def choose_kernels(
     reason = f"{wanted}, but oneDNN refused a bf16 GEMM ({refusal}); float32 GEMMs instead"
     log.warning("CPU kernels: %s", reason)
     return KernelChoice(True, False, reason)
-
-
-def add_kernel_args(parser: argparse.ArgumentParser) -> None:
-    """The kernel flags shared by `python -m worker_service` and `tessera serve`."""
-    parser.add_argument(
-        "--bf16-gemm",
-        default="auto",
-        choices=["auto", "native", "float32"],
-        help="CPU bf16 GEMMs: native kernels, float32 over upcast weights, or auto (by CPU flags)",
-    )
-    parser.add_argument(
-        "--quantization",
-        "-q",
-        default="none",
-        choices=QUANTIZATIONS,
-        help="weights: int8 / int4 (quantized at load to Q8_0 / Q4_1 blocks), gguf (the default "
-        "model's GGUF file as shipped), awq / gptq (the checkpoint must be one); a .gguf --model, "
-        "an AWQ or GPTQ checkpoint is always served in its own 4-bit weights",
-    )
-    parser.add_argument(
-        "--quantization-group-size",
-        type=int,
-        default=32,
-        choices=QUANTIZATION_GROUP_SIZES,
-        help="--quantization int4: consecutive weights of a row sharing a scale and an offset",
-    )
-    parser.add_argument(
-        "--hf-exact-numerics",
-        action="store_true",
-        help="CPU bf16: HF's own kernels, bit for bit (slower: no C++ decode kernel)",
-    )

@@ -16,9 +16,11 @@ import sys
 import torch
 
 from services.config import WorkerConfig
+from services.flags import add_flags
 from services.log import setup_logging
-from services.tracing import LOG_FORMATS
+from services.tracing import ObservabilityConfig
 from worker_service import parallel
+from worker_service.__main__ import WorkerProcess
 from worker_service.models.context import forward_context
 from worker_service.tp_messages import decode_config
 from worker_service.worker import Worker, select_device
@@ -61,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--rendezvous-file", required=True, help="rank 0's private FileStore")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", default="text", choices=LOG_FORMATS)
+    add_flags(p, WorkerProcess, only=("log_level",))
+    add_flags(p, ObservabilityConfig, only=("log_format",))
     args = p.parse_args(argv)
     config = decode_config(sys.stdin.buffer.read())
     setup_logging(f"worker-rank{args.rank}", args.log_level, args.log_format)
