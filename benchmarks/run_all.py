@@ -40,7 +40,8 @@ from services.healthcheck import http_healthy
 BENCH_DOC = Path("docs/benchmarks.md")  # its bench section is replaced by each run
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 SECTIONS = [
-    "decode", "offline", "serve", "step_overhead", "scheduler", "spec_decode", "lora", "quality",
+    "decode", "attention", "offline", "serve", "step_overhead", "scheduler", "spec_decode", "lora",
+    "quality",
 ]  # fmt: skip
 
 
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(SECTIONS) - {"offline"} if args.quick else set(args.skip)
     if "decode" not in skip:
         run_module("decode_bench", vllm_argv)
+    if "attention" not in skip:
+        run_module("attention_bench", [])
     if "offline" not in skip:
         run_module("offline_bench", vllm_argv)
     if "step_overhead" not in skip:

@@ -103,12 +103,14 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int32_t* block
   const int64_t lo = window_start(seq_len, s);
   for (int64_t b = t.block_lo; b < t.block_hi; ++b) {
     const int64_t start = b * bs, n = std::min(bs, seq_len - start), first = blocks[b] * bs;
-    if (b + 1 < t.block_hi) {
-      const int64_t next = int64_t(blocks[b + 1]) * bs * slot_stride, bytes = bs * slot_stride * sizeof(C);
-      prefetch_span(k_cache + next, bytes);
-      prefetch_span(v_cache + next, bytes);
-    }
+    // The next block's K and V, a KV head's share before each head's work (not in one burst).
+    const int64_t next = b + 1 < t.block_hi ? int64_t(blocks[b + 1]) * bs * slot_stride : -1;
+    const int64_t share = (bs * slot_stride * int64_t(sizeof(C)) + s.kv_heads - 1) / s.kv_heads;
     for (int64_t h = 0; h < s.kv_heads; ++h) {
+      if (next >= 0) {
+        prefetch_span(reinterpret_cast<const char*>(k_cache + next) + h * share, share);
+        prefetch_span(reinterpret_cast<const char*>(v_cache + next) + h * share, share);
+      }
       const Rows k{k_cache + h * row, slot_stride, dim}, v{v_cache + h * row, slot_stride, dim};
       k.score(first, n, group, h * group * dim, scale, w);
       for (int64_t g = 0; g < group; ++g)  // tokens of the first block before the window
