@@ -2,7 +2,7 @@
 // query heads of one GQA group, and add its V rows weighed by their softmax weights.
 // `BlockRows<T, C, Dim>` picks the inner loops by the query type T, the cache type C and the
 // head size Dim (0: only known at run time): bf16 pair dot products for a bf16 cache
-// (TESSERA_BF16), AVX-512 float32 for the others (TESSERA_SIMD), else portable loops.
+// (TESSERA_BF16), AVX-512 or AVX2 float32 for the others (TESSERA_SIMD), else portable loops.
 #pragma once
 
 #include <algorithm>
@@ -17,13 +17,13 @@
 
 // glibc's vector expf (libmvec): lets the softmax loops vectorize without -ffast-math.
 extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
-#if TESSERA_SIMD
+#if defined(__AVX512F__)
 extern "C" __m512 _ZGVeN16v_expf(__m512);  // libmvec's 16-lane expf, called directly
 #endif
 
 // The largest of x[0..n).
 inline float max_of(const float* x, int64_t n) {
-#if TESSERA_SIMD
+#if defined(__AVX512F__)
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t o = 0; o < n; o += 16)
     top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, Simd::first(n - o), x + o));
@@ -35,7 +35,7 @@ inline float max_of(const float* x, int64_t n) {
 
 // x[o] = exp(x[o] - top) for o < n; returns their sum.
 inline float exp_sum(float* x, int64_t n, float top) {
-#if TESSERA_SIMD
+#if defined(__AVX512F__)
   __m512 sum = _mm512_setzero_ps();
   for (int64_t o = 0; o < n; o += 16) {
     const __mmask16 m = Simd::first(n - o);
@@ -104,16 +104,16 @@ inline void apply_scales(const C* head, int64_t first_slot, int64_t n, int64_t s
 
 #if TESSERA_SIMD
 // p[g * stride + o] = mul * (the lane sum of row o's products for query head g), for o < n,
-// 16 rows at a time: `dots(o, out)` writes row o's lane-wise products for head g at
-// out + 256 g (or zeros for o >= n); Simd::sum_lanes turns 16 rows' products into 16 sums.
+// W rows at a time: `dots(o, out)` writes row o's lane-wise products for head g at
+// out + W * W * g (or zeros for o >= n); Simd::sum_lanes turns W rows' products into W sums.
 template <typename Dots>
 inline void score_rows(int64_t n, int64_t group, float mul, float* parts, float* p,
                        int64_t stride, Dots dots) {
   for (int64_t o0 = 0; o0 < n; o0 += Simd::W) {
-    for (int s = 0; s < Simd::W; ++s) dots(o0 + Simd::perm(s), parts + 16 * s);
+    for (int o = 0; o < Simd::W; ++o) dots(o0 + o, parts + Simd::W * Simd::slot(o));
     for (int64_t g = 0; g < group; ++g)
       Simd::store_first(p + g * stride + o0,
-                        Simd::mul(Simd::sum_lanes(parts + 256 * g), Simd::set1(mul)), n - o0);
+                        Simd::mul(Simd::sum_lanes(parts + Simd::W * Simd::W * g), Simd::set1(mul)), n - o0);
   }
 }
 
@@ -197,7 +197,6 @@ inline bool with_group(int64_t count, F f) {
   }
 }
 
-constexpr int64_t kAccRegs = 24;  // vectors of sums a loop may keep in registers
 
 // The rows of one KV head in the pool (cache type C), read by a query of type T.
 template <typename T, typename C, int64_t Dim>
@@ -255,7 +254,7 @@ struct BlockRows {
       for (int64_t g = 0; g < G; ++g) {
         typename Simd::V dot = Simd::mul(q[g][0], k[0]);
         for (int64_t j = 1; j < K; ++j) dot = Simd::fma(q[g][j], k[j], dot);
-        Simd::store(out + 256 * g, dot);
+        Simd::store(out + Simd::W * Simd::W * g, dot);
       }
     });
   }
@@ -294,7 +293,7 @@ struct BlockRows {
 #if TESSERA_BF16
     if constexpr (kPairs) {
       round_weights(w.p, w.bs, n, group, w.pb, w.bs + 2);
-      constexpr int64_t most = kAccRegs / (Dim / 16);
+      constexpr int64_t most = Simd::kAccRegs / (Dim / 16);
       for (int64_t g0 = 0; g0 < group; g0 += most)
         with_group(std::min(most, group - g0), [&](auto g) {
           weigh_pairs<Dim, decltype(g)::value>(w.pb + g0 * (w.bs + 2), w.bs + 2, head,
@@ -307,7 +306,7 @@ struct BlockRows {
     if constexpr (kSimd) {
       const bool done = with_group(group, [&](auto g) {
         constexpr int64_t G = decltype(g)::value;
-        if constexpr (G * (Dim / Simd::W) <= kAccRegs)
+        if constexpr (G * (Dim / Simd::W) <= Simd::kAccRegs)
           weigh_block<C, Dim, G>(w.p, w.bs, head, first_slot, n, slot_stride, acc);
         else
           weigh_rows(first_slot, n, group, w, acc);

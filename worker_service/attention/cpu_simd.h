@@ -1,6 +1,6 @@
-// AVX-512 (16 float32 lanes) behind one small interface for the decode kernel's inner loops,
-// and AVX512-BF16's pair dot products where the build has them (TESSERA_BF16). TESSERA_SIMD is
-// 0 elsewhere; callers then keep their portable loops (which the compiler vectorizes).
+// AVX-512 (16 float32 lanes) or AVX2 + FMA (8 lanes) behind one small interface for the
+// decode kernel's inner loops, and AVX512-BF16's pair dot products where the build has them
+// (TESSERA_BF16). TESSERA_SIMD is 0 elsewhere; callers then keep their portable loops.
 #pragma once
 
 #include <cstdint>
@@ -43,9 +43,8 @@ struct Simd {
   }
   static void store_first(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
 
-  // Lane o = the sum of the lanes of v[perm(o)] (a transposing tree: 15 adds, 30 shuffles),
-  // where perm(o) = 4 * (o % 4) + o / 4 (its own inverse): callers put row o's vector in
-  // v[perm(o)] to get lane o = row o's sum.
+  // Lane o = the sum of the lanes of v[slot(o)] (a transposing tree: 15 adds, 30 shuffles):
+  // callers put row o's vector in v[slot(o)] to get lane o = row o's sum.
   static V sum_lanes(const float* v) {  // v: 16 vectors, one after the other
     V w[8], x[4], y[2];
     for (int i = 0; i < 8; ++i) {  // halves: vector 2i's 8 partial sums, then 2i + 1's
@@ -60,7 +59,7 @@ struct Simd {
                            _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
   }
-  static constexpr int perm(int o) { return 4 * (o % 4) + o / 4; }
+  static constexpr int slot(int o) { return 4 * (o % 4) + o / 4; }
 };
 
 #if defined(__AVX512BF16__)
@@ -84,6 +83,59 @@ struct Bf16Dots {
 #else
 #define TESSERA_BF16 0
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TESSERA_SIMD 1
+#define TESSERA_BF16 0
+
+struct Simd {
+  using V = __m256;
+  static constexpr int64_t W = 8;          // float32 lanes per vector
+  static constexpr int64_t kAccRegs = 12;  // vectors of sums a loop may keep in registers
+
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const uint16_t* p) {  // W bf16 widened exactly
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static V load(const int8_t* p) {  // W int8 widened exactly (quantized KV)
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  }
+  static V load(const Fp8E4M3* p) {  // W float8 e4m3fn widened exactly, as widen(Fp8E4M3)
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, mag)),
+                         _mm256_set1_ps(0x1p120f));
+  }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void store_first(float* p, V v, int64_t n) {  // lanes 0..n-1 only
+    if (n >= W) return store(p, v);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane), v);
+  }
+
+  // Lane o = the sum of the lanes of v[slot(o)] (a transposing tree: 7 adds, 14 shuffles):
+  // callers put row o's vector in v[slot(o)] to get lane o = row o's sum.
+  static V sum_lanes(const float* v) {  // v: 8 vectors, one after the other
+    V w[4], x[2];
+    for (int i = 0; i < 4; ++i) {  // halves: vector 2i's 4 partial sums, then 2i + 1's
+      const V a = load(v + 16 * i), b = load(v + 16 * i + 8);
+      w[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    for (int i = 0; i < 2; ++i)
+      x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                           _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD));
+  }
+  // Lane p of the tree holds v[2 (p % 4) + p / 4]: so row o goes to that slot.
+  static constexpr int slot(int o) { return 2 * (o % 4) + o / 4; }
+};
 #else
 #define TESSERA_SIMD 0
 #define TESSERA_BF16 0
