@@ -66,17 +66,17 @@ struct Scratch {
   float *q, *p, *rows, *parts;
   uint16_t *qb, *pb;
   int64_t bs = 0;
-  void reserve(int64_t group, int64_t dim, int64_t block_size) {
+  void reserve(int64_t heads, int64_t dim, int64_t block_size) {
     bs = block_size;
-    const int64_t parts_at = (group * dim + group * bs + bs * dim + 15) / 16 * 16;
-    buf.resize(size_t(parts_at + group * 256));
+    const int64_t parts_at = (heads * dim + heads * bs + bs * dim + 15) / 16 * 16;
+    buf.resize(size_t(parts_at + heads * 256));
     q = buf.data();
-    p = q + group * dim;
-    rows = p + group * bs;
+    p = q + heads * dim;
+    rows = p + heads * bs;
     parts = buf.data() + parts_at;
-    half.resize(size_t(group * dim + group * (bs + 2)));
+    half.resize(size_t(heads * dim + heads * (bs + 2)));
     qb = half.data();
-    pb = qb + group * dim;
+    pb = qb + heads * dim;
   }
 };
 
