@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ from worker_service.draft_model import DraftModelProposer
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
 from worker_service.loader import load_model
 from worker_service.lora.manager import LoRAManager
-from worker_service.models import cpu_ops
+from worker_service.models import cpu_ops, fused_decode
 from worker_service.models.context import forward_context
 from worker_service.models.quant_int4 import quantize_at_load
 from worker_service.multimodal import MultiModalInputs
@@ -98,6 +99,8 @@ class ModelRunner:
         pooling = config.model.runner == "pooling"
         self.pooler = Pooler(read_pooler_config(model_dir) if pooling else None)
         self.lora = self._lora_manager()
+        # The model's forward, or a FusedDecode over it once the KV pools exist.
+        self.forward: Callable[..., torch.Tensor] = self.model
         self.num_blocks = 0
         self.proposer, self.draft = self._proposer(config.speculative_config)
 
@@ -150,11 +153,14 @@ class ModelRunner:
         if self.draft is not None:
             allocated += self.draft.allocate(num_blocks)
         self.num_blocks = num_blocks
+        fused = fused_decode.build(self.model, self.backend, self.config.fused_decode_rows)
+        self.forward = fused if fused is not None and self.lora is None else self.model
         return allocated
 
     def release_cache(self) -> None:
         """Drop the KV pools (target and draft)."""
         kv_cache.release(self.model)
+        self.forward = self.model
         if self.draft is not None:
             self.draft.release()
         self.num_blocks = 0
@@ -202,7 +208,7 @@ class ModelRunner:
         with torch.inference_mode(), forward_context(step.meta):
             embeds = self.mm.input_embeds(step)  # None without images in this step
             positions = self.mm.positions(step)  # [3, num_tokens] M-RoPE with images
-            hidden = self.model(step.input_ids, positions, embeds)  # [num_tokens, hidden]
+            hidden = self.forward(step.input_ids, positions, embeds)  # [num_tokens, hidden]
             t2 = time.perf_counter()
             if self.input_batch.num_pooling:  # embedding requests: pooled, not sampled
                 out.pooler_output = self.pooler.run(step, hidden)

@@ -340,6 +340,11 @@ class WorkerConfig:
         "Attention implementation: auto (triton on CUDA, cpu otherwise), triton, cpu or reference.",
     )
     num_threads: int = flag(0, "Torch intra-op CPU threads; 0: all cores.")
+    fused_decode_rows: int = flag(
+        -1,
+        "CPU: decode steps of up to this many requests run every decoder layer in one native "
+        "call (no torch dispatch per op); -1: by weight format (4 dense, 64 GGUF blocks), 0: off.",
+    )
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS.field()
     max_num_seqs: int = MAX_NUM_SEQS.field()
     # Tensor parallelism (rank 0 is the worker the scheduler talks to).
@@ -354,6 +359,7 @@ class WorkerConfig:
             f"unknown attention backend {self.attention_backend!r}",
         )
         _require(self.num_threads >= 0, "num_threads must be >= 0")
+        _require(self.fused_decode_rows >= -1, "fused_decode_rows must be >= -1 (-1: auto)")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _require(

@@ -1,17 +1,12 @@
-// Fused elementwise ops of Llama-family decoders for CPUs: RMSNorm with the residual add,
-// rotary embedding in place, and SiLU(gate) * up. One call replaces the 3-8 torch ops of
-// each (their dispatch dominates small-batch decode), with HF's bf16 rounding order: every
-// torch op's result is rounded to bf16 where HF's is; the math between roundings is
-// float32. Built at first use by worker_service/native.py and called through ctypes.
-//
-// Layouts (row-major, elements); dtype 0 = float32, 1 = bfloat16:
-//   add_rms_norm  x, residual, out [n, hidden]; weight [hidden]
-//   rope          qk rows of `row_stride` elements, heads x head_dim each; cos, sin [n, head_dim/2]
-//   silu_mul      gate_up [n, 2 * inter] (gate first); out [n, inter]
-// and the sampler's grammar mask: apply_bitmask (float32 logits, int32 words), and the
-// weight-bound GEMMs: few rows over bf16 weights (small_gemm.h: gemm_bf16), and any rows over
-// GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as the file stores them
-// (gguf_formats.h, gguf_gemm.h: gemm_gguf; with int8 activations, gguf_q8.h).
+// Fused ops of Llama-family decoders for CPUs, called through ctypes (cpu_ops.py) and built at
+// first use by worker_service/native.py: RMSNorm with the residual add, rotary embedding in
+// place and SiLU(gate) * up (elementwise.h: HF's bf16 rounding order), each replacing the
+// 3-8 torch ops whose dispatch dominates small-batch decode; the sampler's grammar mask
+// (apply_bitmask: float32 logits, int32 words); the weight-bound GEMMs: few rows over bf16
+// weights (small_gemm.h: gemm_bf16), and any rows over GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, Q4_K, Q5_K, Q6_K) as the file stores them (gguf_formats.h, gguf_gemm.h: gemm_gguf;
+// with int8 activations, gguf_q8.h); and a whole decode step through every decoder layer
+// (decode_layers.h: decode_layers). dtype 0 = float32, 1 = bfloat16.
 
 #include <algorithm>
 #include <cmath>
@@ -21,124 +16,18 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "decode_layers.h"
+#include "elementwise.h"
 #include "gguf_gemm.h"
 #include "gguf_q8.h"
 #include "small_gemm.h"
 
-extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
-
 namespace {
 
-// Elements per chunk: the float32 working set of one chunk stays in L1.
-constexpr int64_t kChunk = 256;
-
-// dst[i] = float of src[i]; and back with rounding. Simple loops, so they vectorize.
-template <typename T>
-inline void widen_n(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
-}
-template <typename T>
-inline void narrow_n(const float* src, T* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) store(src[i], &dst[i]);
-}
-// x[i] = the value x[i] takes once stored as T (identity for float).
-template <typename T>
-inline void round_n(float* x, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      T tmp;
-      x[i] = store(x[i], &tmp);
-    }
-  }
-}
-
-// Parallelize over rows only when the work is worth waking the threads.
-inline int threads_for(int64_t elements, int num_threads) {
-  return elements >= 16384 ? num_threads : 1;
-}
-
-template <typename T>
-void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t n, int64_t hidden,
-                  float eps, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(n * hidden, num_threads))
-  for (int64_t r = 0; r < n; ++r) {
-    T* res = residual + r * hidden;
-    float a[kChunk], b[kChunk];
-    float sum = 0.f;
-    for (int64_t c = 0; c < hidden; c += kChunk) {  // HF: x + residual, in dtype
-      const int64_t m = std::min(kChunk, hidden - c);
-      widen_n(res + c, a, m);
-      if (x != nullptr) {
-        widen_n(x + r * hidden + c, b, m);
-#pragma omp simd
-        for (int64_t i = 0; i < m; ++i) a[i] += b[i];
-        round_n<T>(a, m);
-        narrow_n(a, res + c, m);
-      }
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < m; ++i) sum += a[i] * a[i];
-    }
-    const float inv = 1.f / std::sqrt(sum / float(hidden) + eps);
-    for (int64_t c = 0; c < hidden; c += kChunk) {  // HF: weight * (h * rsqrt).to(dtype)
-      const int64_t m = std::min(kChunk, hidden - c);
-      widen_n(res + c, a, m);
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) a[i] *= inv;
-      round_n<T>(a, m);
-      widen_n(weight + c, b, m);
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) a[i] *= b[i];
-      narrow_n(a, out + r * hidden + c, m);
-    }
-  }
-}
-
-template <typename T>
-void rope(T* qk, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride, const T* cos,
-          const T* sin, int num_threads) {
-  const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(threads_for(n * heads * head_dim, num_threads))
-  for (int64_t r = 0; r < n; ++r) {
-    const T* c = cos + r * half;
-    const T* s = sin + r * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      T* x = qk + r * row_stride + h * head_dim;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {  // HF: cat(x1*cos - x2*sin, x2*cos + x1*sin)
-        const float x1 = widen(x[i]), x2 = widen(x[i + half]);
-        const float ci = widen(c[i]), si = widen(s[i]);
-        T t1, t2, t3, t4;
-        const float a = store(x1 * ci, &t1), b = store(x2 * si, &t2);
-        const float d = store(x2 * ci, &t3), e = store(x1 * si, &t4);
-        store(a - b, &x[i]);
-        store(d + e, &x[i + half]);
-      }
-    }
-  }
-}
-
-template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(n * inter, num_threads))
-  for (int64_t r = 0; r < n; ++r) {
-    const T* g = gate_up + r * 2 * inter;
-    float a[kChunk], b[kChunk];
-    for (int64_t c = 0; c < inter; c += kChunk) {  // HF: silu(gate) in dtype, times up
-      const int64_t m = std::min(kChunk, inter - c);
-      widen_n(g + c, a, m);
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) a[i] = a[i] / (1.f + expf(-a[i]));
-      round_n<T>(a, m);
-      widen_n(g + inter + c, b, m);
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) a[i] *= b[i];
-      narrow_n(a, out + r * inter + c, m);
-    }
-  }
-}
+using elementwise::add_rms_norm;
+using elementwise::rope;
+using elementwise::silu_mul;
+using elementwise::threads_for;
 
 void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint32_t* bitmask,
                    int64_t n, int64_t words, int num_threads) {
@@ -156,17 +45,6 @@ void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint
       }
     }
   }
-}
-
-// GGUF blocks: the int8-activation GEMM where asked and built for (AVX2), else the float one.
-template <typename TX>
-int gemm_gguf(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows,
-              int64_t K, int64_t N, int int8_x, int num_threads) {
-  if (int8_x) {
-    const int status = gguf_q8::gemm(type, x, w, bias, out, rows, K, N, num_threads);
-    if (status != 3) return status;
-  }
-  return gguf_gemm::gemm(type, x, w, bias, out, rows, K, N, num_threads);
 }
 
 }  // namespace
@@ -190,10 +68,10 @@ int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const v
                       void* out, int64_t rows, int64_t K, int64_t N, int int8_x,
                       int num_threads) {
   const auto* q = static_cast<const uint8_t*>(w);
-  if (dtype == 0) return gemm_gguf(type, static_cast<const float*>(x), q,
+  if (dtype == 0) return gguf_q8::gemm_or_float(type, static_cast<const float*>(x), q,
                                    static_cast<const float*>(bias), static_cast<float*>(out),
                                    rows, K, N, int8_x, num_threads);
-  if (dtype == 1) return gemm_gguf(type, static_cast<const uint16_t*>(x), q,
+  if (dtype == 1) return gguf_q8::gemm_or_float(type, static_cast<const uint16_t*>(x), q,
                                    static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out),
                                    rows, K, N, int8_x, num_threads);
   return 1;
@@ -252,6 +130,28 @@ int tessera_silu_mul(int dtype, const void* gate_up, void* out, int64_t n, int64
     return 1;
   }
   return 0;
+}
+
+// One decode step through `num_layers` decoder layers (decode_layers.h): `rows` decode
+// tokens, row i being request i's; x, residual, cos, sin in `dtype`; `attend` is the paged
+// decode kernel's entry point. Status: 0 ok, 1 bad dtype, 2-3 a GEMM's, 10 + the kernel's.
+int tessera_decode_layers(int dtype, const TesseraDecodeShape* shape, const TesseraLayer* layers,
+                          int64_t num_layers, void* x, void* residual, int64_t rows,
+                          const void* cos, const void* sin, const int64_t* slots,
+                          const int32_t* block_table, int64_t table_stride,
+                          const int32_t* seq_lens, const int64_t* index,
+                          TesseraPagedDecode attend, int num_threads) {
+  const decode_layers::Step step{rows,     slots, block_table, table_stride,
+                                 seq_lens, index, attend,      num_threads};
+  if (dtype == 0)
+    return decode_layers::run(*shape, layers, num_layers, static_cast<float*>(x),
+                              static_cast<float*>(residual), static_cast<const float*>(cos),
+                              static_cast<const float*>(sin), step);
+  if (dtype == 1)
+    return decode_layers::run(*shape, layers, num_layers, static_cast<uint16_t*>(x),
+                              static_cast<uint16_t*>(residual), static_cast<const uint16_t*>(cos),
+                              static_cast<const uint16_t*>(sin), step);
+  return 1;
 }
 
 }  // extern "C"

@@ -171,3 +171,19 @@ int gemm(int, const TX*, const uint8_t*, const TX*, TX*, int64_t, int64_t, int64
 }  // namespace gguf_q8
 
 #endif
+
+namespace gguf_q8 {
+
+// The int8-activation GEMM where asked (`int8_x`) and built for (AVX2) and the type has one,
+// else the float one (gguf_gemm.h). Status: 0 ok, 2 K not whole blocks, 3 unknown type.
+template <typename TX>
+int gemm_or_float(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out,
+                  int64_t rows, int64_t K, int64_t N, int int8_x, int num_threads) {
+  if (int8_x) {
+    const int status = gemm(type, x, w, bias, out, rows, K, N, num_threads);
+    if (status != 3) return status;
+  }
+  return gguf_gemm::gemm(type, x, w, bias, out, rows, K, N, num_threads);
+}
+
+}  // namespace gguf_q8

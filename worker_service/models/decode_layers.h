@@ -1,0 +1,160 @@
+// A decode step through every decoder layer of a Llama-family model in one call: for each
+// layer, add + RMSNorm -> qkv GEMM -> RoPE -> K/V into the paged pool -> paged attention ->
+// o GEMM -> add + RMSNorm -> gate_up GEMM -> SiLU * up -> down GEMM. At a few rows a step is
+// bound by reading the weights, and the ~15 torch calls a layer costs from Python (a few
+// microseconds each, 30 layers) are a third of it; here they are plain function calls.
+//
+// The ops are the ones the layers call one by one (elementwise.h, small_gemm.h, gguf_q8.h),
+// so the results are theirs; attention is the paged decode kernel (attention/cpu_decode.cpp,
+// another library), reached through the function pointer the caller passes.
+//
+// Layouts (row-major, elements of the model dtype T: float, or bf16 as uint16_t):
+//   residual  [rows, hidden]: in: the token embeddings; out: the residual stream
+//   x         [rows, hidden]: out: the last layer's MLP output (the model's final norm
+//             adds it to the residual)
+//   cos, sin  [rows, head_dim / 2]; slots [rows]: each row's KV slot
+//   pools     [blocks, block_size, kv_heads, head_dim]; block_table [num_reqs, table_stride]
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "elementwise.h"
+#include "gguf_q8.h"
+#include "small_gemm.h"
+
+extern "C" {
+
+// One GEMM's weight: dense [N, K] in the model dtype (type -1) or GGUF blocks of ggml `type`
+// ([N, K / block values * block bytes]); bias [N] in the model dtype or null.
+struct TesseraLinear {
+  int64_t type;
+  const void* weight;
+  const void* bias;
+  int64_t K, N;
+};
+
+struct TesseraLayer {
+  TesseraLinear qkv, o, gate_up, down;
+  const void* input_norm;  // [hidden]
+  const void* post_norm;   // [hidden]
+  void* k_cache;           // the layer's pools
+  void* v_cache;
+  int64_t window;  // sliding window (0: full attention)
+};
+
+struct TesseraDecodeShape {
+  int64_t hidden, heads, kv_heads, head_dim, inter, block_size;
+  float eps, scale;
+};
+
+// attention/cpu_decode.cpp's tessera_paged_decode.
+typedef int (*TesseraPagedDecode)(int, int, const void*, const void*, const void*, void*,
+                                  const int32_t*, int64_t, const int32_t*, const int64_t*,
+                                  const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, float, int);
+}
+
+namespace decode_layers {
+
+// Per-step arguments shared by every layer.
+struct Step {
+  int64_t rows;
+  const int64_t* slots;
+  const int32_t* block_table;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  const int64_t* index;  // 0..rows-1: row i is request i's token
+  TesseraPagedDecode attend;
+  int num_threads;
+};
+
+template <typename T>
+constexpr int kDtype = std::is_same_v<T, float> ? 0 : 1;
+
+// out [rows, N] = x [rows, K] @ weight.T + bias. Status: 0 ok, else the GEMM's.
+template <typename T>
+int linear(const TesseraLinear& l, const T* x, T* out, const Step& s) {
+  const T* bias = static_cast<const T*>(l.bias);
+  if (l.type < 0) {
+    const T* w = static_cast<const T*>(l.weight);
+    return small_gemm::gemm(x, w, bias, out, s.rows, l.K, l.N, s.num_threads) ? 0 : 2;
+  }
+  const int int8_x = kDtype<T>;  // as quant.BlockWeight.linear: int8 dots on the bf16 path
+  return gguf_q8::gemm_or_float(int(l.type), x, static_cast<const uint8_t*>(l.weight), bias,
+                                out, s.rows, l.K, l.N, int8_x, s.num_threads);
+}
+
+// The scratch of one step, reused by every layer.
+template <typename T>
+struct Buffers {
+  std::vector<T> h, qkv, query, attn, o, gate_up, act;
+  Buffers(const TesseraDecodeShape& d, int64_t rows)
+      : h(rows * d.hidden),
+        qkv(rows * (d.heads + 2 * d.kv_heads) * d.head_dim),
+        query(rows * d.heads * d.head_dim),
+        attn(rows * d.heads * d.head_dim),
+        o(rows * d.hidden),
+        gate_up(rows * 2 * d.inter),
+        act(rows * d.inter) {}
+};
+
+// qkv rows after RoPE: K and V into the layer's pools at the rows' slots, the queries into
+// one contiguous [rows, heads, head_dim] block for the attention kernel.
+template <typename T>
+void scatter_qkv(const TesseraDecodeShape& d, const TesseraLayer& l, Buffers<T>& b,
+                 const Step& s) {
+  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim, width = q + 2 * kv;
+  T* k_cache = static_cast<T*>(l.k_cache);
+  T* v_cache = static_cast<T*>(l.v_cache);
+  for (int64_t r = 0; r < s.rows; ++r) {
+    const T* row = b.qkv.data() + r * width;
+    std::memcpy(b.query.data() + r * q, row, q * sizeof(T));
+    std::memcpy(k_cache + s.slots[r] * kv, row + q, kv * sizeof(T));
+    std::memcpy(v_cache + s.slots[r] * kv, row + q + kv, kv * sizeof(T));
+  }
+}
+
+// Attention half of a layer: h (normed input) -> b.o (o_proj output).
+template <typename T>
+int attention(const TesseraDecodeShape& d, const TesseraLayer& l, Buffers<T>& b,
+              const T* cos, const T* sin, const Step& s) {
+  int status = linear(l.qkv, b.h.data(), b.qkv.data(), s);
+  if (status) return status;
+  const int64_t width = (d.heads + 2 * d.kv_heads) * d.head_dim;
+  elementwise::rope(b.qkv.data(), s.rows, d.heads + d.kv_heads, d.head_dim, width, cos, sin,
+                    s.num_threads);
+  scatter_qkv(d, l, b, s);
+  status = s.attend(kDtype<T>, 0, b.query.data(), l.k_cache, l.v_cache, b.attn.data(),
+                    s.block_table, s.table_stride, s.seq_lens, s.index, s.index, s.rows, d.heads,
+                    d.kv_heads, d.head_dim, d.block_size, l.window, d.scale, s.num_threads);
+  if (status) return 10 + status;
+  return linear(l.o, b.attn.data(), b.o.data(), s);
+}
+
+template <typename T>
+int run(const TesseraDecodeShape& d, const TesseraLayer* layers, int64_t num_layers, T* x,
+        T* residual, const T* cos, const T* sin, const Step& s) {
+  Buffers<T> b(d, s.rows);
+  const int64_t rows = s.rows, hidden = d.hidden;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const TesseraLayer& l = layers[i];
+    const T* add = i == 0 ? nullptr : x;  // layer 0: the residual is the embeddings
+    elementwise::add_rms_norm(add, residual, static_cast<const T*>(l.input_norm), b.h.data(),
+                              rows, hidden, d.eps, s.num_threads);
+    int status = attention(d, l, b, cos, sin, s);
+    if (status) return status;
+    elementwise::add_rms_norm(b.o.data(), residual, static_cast<const T*>(l.post_norm),
+                              b.h.data(), rows, hidden, d.eps, s.num_threads);
+    status = linear(l.gate_up, b.h.data(), b.gate_up.data(), s);
+    if (status) return status;
+    elementwise::silu_mul(b.gate_up.data(), b.act.data(), rows, d.inter, s.num_threads);
+    status = linear(l.down, b.act.data(), x, s);
+    if (status) return status;
+  }
+  return 0;
+}
+
+}  // namespace decode_layers
