@@ -1,7 +1,7 @@
 """The weight-bound GEMMs (small_gemm.h: bf16 weights at a few rows; gguf_gemm.h: GGUF's
 Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks and Q4_K / Q5_K / Q6_K super-blocks at any rows) against a float64 matmul of the same weight values
 (the blocks dequantized as the gguf package does), on every build this CPU runs: the
-portable loops, AVX2 and, where the CPU has it, AVX-512; and the Linear layers that choose
+portable loops, AVX2 and, where the CPU has them, AVX-512 and AVX512-BF16; and the Linear layers that choose
 them (packed bf16, weight-only int8)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import gguf
 import pytest
 import torch
 
+from worker_service import native
 from worker_service.models import cpu_ops, quant
 from worker_service.models.layers import Linear, deferred_weights
 
@@ -20,7 +21,10 @@ LEVELS = {"AVX2": ["", "AVX2"], "AVX512": ["", "AVX2", "AVX512"]}  # what each C
 
 
 def _runnable_levels() -> list[str]:
-    return LEVELS.get(torch.backends.cpu.get_cpu_capability(), [""])
+    levels = LEVELS.get(torch.backends.cpu.get_cpu_capability(), [""])
+    if native.cpu_level() == "AVX512_BF16":  # bf16 pair dot products (gemm_bf16)
+        levels = [*levels, "AVX512_BF16"]
+    return levels
 
 
 @pytest.fixture(scope="module", params=_runnable_levels(), ids=lambda v: v or "portable")
@@ -28,7 +32,7 @@ def ops(request: pytest.FixtureRequest) -> cpu_ops.CpuOps:
     return cpu_ops.build(request.param)
 
 
-@pytest.mark.parametrize("level", ["", "AVX2", "AVX512"])
+@pytest.mark.parametrize("level", ["", "AVX2", "AVX512", "AVX512_BF16"])
 def test_every_level_builds(level: str) -> None:
     """Each variant compiles (and loads) here, including those this CPU cannot run."""
     assert cpu_ops.build(level).lib is not None

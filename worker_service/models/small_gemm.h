@@ -1,4 +1,4 @@
-// GEMMs bound by reading the weight, for CPUs without bf16 dot products (AVX2, AVX-512F):
+// GEMMs bound by reading the weight (AVX2, AVX-512F; bf16 pair dot products with AVX512-BF16):
 // out[m, n] = sum_k x[m, k] w[n, k] + bias[n], float32 sums, over weight rows
 // that a `Dot` reads (here dense bf16 rows; gguf_gemm.h's GGUF blocks).
 //
@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -122,6 +123,41 @@ inline void dot_rows(const float* x, const TW* w, int64_t K, float (&sums)[M]) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 x and bf16 w where the CPU has pair dot products (vdpbf16ps): 32 products a weight
+// load, summed in float32 by pairs, with no widening of either side; the tail is masked.
+template <int M>
+inline void dot_rows_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (&sums)[M]) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
+  }
+  if (k < K) {
+    const __mmask32 tail = (__mmask32)((uint64_t(1) << (K - k)) - 1);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + k),
+                                wv);
+  }
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+struct Bf16Dot {  // x [rows, K] . w[n] ([N, K]), both bf16
+  const uint16_t* x;
+  const uint16_t* w;
+  int64_t K;
+
+  template <int M>
+  void run(int64_t r0, int64_t n, float (&sums)[M]) const {
+    dot_rows_bf16<M>(x + r0 * K, w + n * K, K, sums);
+  }
+};
+#endif
+
 // Rows of dense weights: x [rows, K] (widened) . w[n] ([N, K] in TW).
 template <typename TW>
 struct DenseDot {
@@ -199,6 +235,13 @@ template <typename TX, typename TW>
 bool gemm(const TX* x, const TW* w, const TX* bias, TX* out, int64_t rows, int64_t K, int64_t N,
           int num_threads) {
   if (rows < 1) return false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<TX, uint16_t> && std::is_same_v<TW, uint16_t>) {
+    const Bf16Dot dot{x, w, K};
+    run(dot, bias, out, rows, N, N * K * int64_t(sizeof(TW)), num_threads);
+    return true;
+  }
+#endif
   const std::vector<float> xf = widen_rows(x, rows, K);
   const DenseDot<TW> dot{xf.data(), w, K};
   run(dot, bias, out, rows, N, N * K * int64_t(sizeof(TW)), num_threads);
