@@ -9,6 +9,7 @@ raises OSError or CalledProcessError where it cannot; callers fall back to torch
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -35,6 +36,7 @@ FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lmvec"]  # glibc's vector math (expf in loops)
 
 
+@functools.cache
 def cpu_level() -> str:
     """This CPU's MARCH key: torch's CPU capability (ATEN_CPU_CAPABILITY lowers it), raised
     to AVX512_BF16 where an AVX-512 CPU has bf16 dot products."""
