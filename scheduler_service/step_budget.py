@@ -18,12 +18,17 @@ positive per-prefill-token cost. Pure Python: the scheduler imports no torch.
 
 from __future__ import annotations
 
+import logging
+
 from services.step_types import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 MIN_PREFILL_CHUNK = 64  # prefill tokens a step with decodes may always carry
 _DECAY = 0.97  # weight of the past per observation: about 30 steps of memory
 _RIDGE = 1e-4  # on the scaled features, so an unvaried feature keeps a solvable system
 _SCALE = (1.0, 1 / 64, 1 / 512)  # features [1, decode, prefill] brought near 1
+_LOG_EVERY = 1024  # steps between two log lines of the fitted costs
 
 
 class StepCostModel:
@@ -88,6 +93,9 @@ class StepBudget:
             else:
                 num_prefill += num_tokens
         self.model.observe(num_decode, num_prefill, seconds)
+        if self.model.num_observed % _LOG_EVERY == 1:
+            a, b, c = (1000 * v for v in self.model.coef)
+            log.info("step cost: %.1f ms + %.3f ms/decode + %.4f ms/prefill token", a, b, c)
 
 
 def _solve(m: list[list[float]], y: list[float]) -> list[float]:
