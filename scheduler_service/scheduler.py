@@ -4,9 +4,9 @@ One step = one token budget. Running requests are served first, decodes
 before the next chunks of running prompts, then waiting ones are admitted
 while the budget, `max_num_seqs` and the pool allow. With a TPOT target
 (step_budget) the prefill part of a step with decodes is cut to what keeps
-the step within the target. When a running request cannot get
-a block, the lowest-priority / latest-arrived running request is preempted by
-recompute: its blocks are freed and it goes back to the front of the queue.
+the step within the target. When a running request cannot get a block, the
+lowest-priority / latest-arrived running request is preempted by recompute:
+its blocks are freed and it goes back to the front of the queue.
 
 Progress is committed only in `update_from_output`: `num_computed_tokens`
 sent to the workers is what is in the pool before the step, and a failed

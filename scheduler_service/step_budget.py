@@ -79,7 +79,8 @@ class StepBudget:
         a, b, c = self.model.coef
         if c <= 0:
             return budget_left  # no prefill cost learned yet: the cap, as without a target
-        fits = int((self.target_s - a - b * num_decode) / c)
+        # noisy step times can fit a negative part; a step never gets cheaper with more work
+        fits = int((self.target_s - max(a, 0.0) - max(b, 0.0) * num_decode) / c)
         return min(budget_left, max(fits, MIN_PREFILL_CHUNK))
 
     def observe(self, scheduler_output: SchedulerOutput, seconds: float) -> None:

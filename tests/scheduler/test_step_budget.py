@@ -114,6 +114,8 @@ def test_the_budget_follows_the_target_and_keeps_the_cap_and_the_minimum_chunk()
     assert budget.prefill_budget(30, 482) == MIN_PREFILL_CHUNK  # the decodes alone take 40 ms
     assert budget.prefill_budget(0, 512) == 512  # no decode, no TPOT to protect
     assert StepBudget(target_tpot_ms=0).prefill_budget(4, 508) == 508
+    budget.model.coef = (0.049, -0.006, 0.0005)  # a noisy fit: more decodes, a cheaper step?
+    assert budget.prefill_budget(20, 492) == MIN_PREFILL_CHUNK  # no: -0.006 is taken as 0
 
 
 def test_slow_steps_bring_the_prefill_budget_down_and_outputs_are_unchanged() -> None:
