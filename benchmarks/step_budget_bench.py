@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import serve_bench
-from benchmarks.report import RESULTS_DIR, markdown_table
+from benchmarks.report import RESULTS_DIR, cpu_info, cpu_line, markdown_table
 from benchmarks.stack import start_stack
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     table = rows(results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "step_budget.json").write_text(json.dumps(table, indent=1))
-    text = "### Serving latency, TPOT step budget off / on (ms)\n\n"
+    text = f"### Serving latency, TPOT step budget off / on (ms)\n\n{cpu_line(cpu_info())}\n\n"
     text += markdown_table(table, list(table[0]))
     (args.out_dir / "step_budget.md").write_text(text)
     print(text)
