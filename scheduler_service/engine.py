@@ -270,7 +270,9 @@ class EngineCore:
             return self.scheduler.fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.perf_counter()
-        self.step_times.append(now - max(start, self._last_commit))  # steps overlap when async
+        seconds = now - max(start, self._last_commit)  # steps overlap when async
+        self.step_times.append(seconds)
+        self.scheduler.step_budget.observe(scheduler_output, seconds)
         self._last_commit = now
         return outputs
 

@@ -1,10 +1,12 @@
 """Continuous batching: who runs each step, with how many tokens, in which blocks.
 
-One step = one token budget. Running requests are served first (a decode
-token, or the next prefill chunk), then waiting ones are admitted while the
-budget, `max_num_seqs` and the pool allow. When a running request cannot get
-a block, the lowest-priority / latest-arrived running request is preempted by
-recompute: its blocks are freed and it goes back to the front of the queue.
+One step = one token budget. Running requests are served first, decodes
+before the next chunks of running prompts, then waiting ones are admitted
+while the budget, `max_num_seqs` and the pool allow. With a TPOT target
+(step_budget) the prefill part of a step with decodes is cut to what keeps
+the step within the target. When a running request cannot get a block, the
+lowest-priority / latest-arrived running request is preempted by recompute:
+its blocks are freed and it goes back to the front of the queue.
 
 Progress is committed only in `update_from_output`: `num_computed_tokens`
 sent to the workers is what is in the pool before the step, and a failed
@@ -31,18 +33,18 @@ from scheduler_service.encoder_budget import fit_encoder_budget
 from scheduler_service.kv_cache_manager import KVCacheManager
 from scheduler_service.lora_admission import lora_fits, running_loras
 from scheduler_service.request import Request, RequestStatus
+from scheduler_service.request_outputs import append_until_stop, final_output, token_output
 from scheduler_service.request_queue import make_queue
 from scheduler_service.spec_decode import SpecDecodeStats, SpeculativeScheduling
+from scheduler_service.step_budget import StepBudget
 from scheduler_service.step_plan import StepPlan
-from scheduler_service.stop import check_stop
 from services.config import SchedulerConfig
 from services.iteration_tokens import TokenHistogram
 from services.step_types import ModelRunnerOutput, SampledTokens, SchedulerOutput, SchedulerStats
-from services.types import EngineCoreOutput, FinishReason
+from services.types import EngineCoreOutput
 
 _RECENT = 256  # samples kept for the medians in stats()
 _RUNNING = RequestStatus.RUNNING  # module constants: enum attribute lookups cost in hot loops
-_UNSPECIFIED = FinishReason.UNSPECIFIED
 
 
 class Scheduler(SpeculativeScheduling):
@@ -86,6 +88,7 @@ class Scheduler(SpeculativeScheduling):
         # a draft model writes KV for its K proposals past the request's tokens
         self.num_lookahead = self.num_spec_tokens if spec and spec.method == "draft_model" else 0
         self.spec_stats = SpecDecodeStats()
+        self.step_budget = StepBudget(config.target_tpot_ms, self.num_spec_tokens)  # learns
 
     # ---- admission and abort -------------------------------------------------
 
@@ -103,7 +106,7 @@ class Scheduler(SpeculativeScheduling):
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                outputs.append(self._final_output(request))
+                outputs.append(final_output(request))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -128,35 +131,55 @@ class Scheduler(SpeculativeScheduling):
         return output
 
     def _schedule_running(self, plan: StepPlan) -> None:
+        """Decodes first, then (within the TPOT budget, if any) running prompts' next chunks."""
+        prefills: list[tuple[Request, int]] = []
         for request in list(self.running):
             if plan.budget <= 0:
                 break
+            num_remaining = self._num_remaining(request, plan)
+            if num_remaining == 1:
+                self._schedule_tokens(request, 1, plan)
+            elif num_remaining > 1:
+                prefills.append((request, num_remaining))
+        num_decode = self.config.max_num_batched_tokens - plan.budget
+        plan.budget = self.step_budget.prefill_budget(num_decode, plan.budget)
+        for request, num_remaining in prefills:
+            if plan.budget <= 0:
+                break
             if request.status is not _RUNNING:
-                continue  # preempted earlier in this loop
-            if self.rope_recompute_length and self._recomputes_for_rope(request, plan):
-                continue
-            placeholders = request.num_output_placeholders
-            if placeholders and request.num_output_tokens + placeholders >= request.max_tokens:
-                continue  # its last token is being sampled in the step in flight
-            num_remaining = (
-                request.num_tokens
-                + placeholders
-                - request.num_computed_tokens
-                - request.num_inflight_tokens
-            )
-            num_new = 1 if num_remaining == 1 else self._chunk_size(num_remaining, plan)  # decode
-            if request.mm_inputs and num_new > 1:
+                continue  # preempted for a decode's blocks
+            num_new = self._chunk_size(num_remaining, plan)
+            if request.mm_inputs:
                 start = request.num_computed_tokens + request.num_inflight_tokens
                 num_new = self._fit_encoder(request, start, num_new, plan)
-            if num_new == 0:
-                continue
-            if num_new == 1 and request.spec_token_ids and self._schedule_drafts(request, plan):
-                continue
-            new_block_ids = self._allocate(request, num_new)
-            if new_block_ids is None:
-                new_block_ids = self._preempt_until_fits(request, num_new, plan)
-            if new_block_ids is not None:
-                plan.add_cached(request, num_new, new_block_ids)
+            if num_new:
+                self._schedule_tokens(request, num_new, plan)
+
+    def _num_remaining(self, request: Request, plan: StepPlan) -> int:
+        """Tokens `request` still has to compute; 0 where it sits this step out."""
+        if request.status is not _RUNNING:
+            return 0  # preempted earlier in this loop
+        if self.rope_recompute_length and self._recomputes_for_rope(request, plan):
+            return 0
+        placeholders = request.num_output_placeholders
+        if placeholders and request.num_output_tokens + placeholders >= request.max_tokens:
+            return 0  # its last token is being sampled in the step in flight
+        return (
+            request.num_tokens
+            + placeholders
+            - request.num_computed_tokens
+            - request.num_inflight_tokens
+        )
+
+    def _schedule_tokens(self, request: Request, num_new: int, plan: StepPlan) -> None:
+        """Give a running request `num_new` tokens (drafts for a decode with proposals)."""
+        if num_new == 1 and request.spec_token_ids and self._schedule_drafts(request, plan):
+            return
+        new_block_ids = self._allocate(request, num_new)
+        if new_block_ids is None:
+            new_block_ids = self._preempt_until_fits(request, num_new, plan)
+        if new_block_ids is not None:
+            plan.add_cached(request, num_new, new_block_ids)
 
     def _recomputes_for_rope(self, request: Request, plan: StepPlan) -> bool:
         """Whether `request` sits out this step because its next token takes it past
@@ -319,15 +342,7 @@ class Scheduler(SpeculativeScheduling):
     def _append_until_stop(
         self, request: Request, token_ids: list[int]
     ) -> tuple[list[int], RequestStatus | None]:
-        if len(token_ids) == 1:  # the usual case: one sampled token
-            request.append_output_token(token_ids[0])
-            return token_ids, check_stop(request, self.eos_token_ids, self.max_model_len)
-        for i, token_id in enumerate(token_ids):
-            request.append_output_token(token_id)
-            status = check_stop(request, self.eos_token_ids, self.max_model_len)
-            if status is not None:
-                return token_ids[: i + 1], status
-        return token_ids, None
+        return append_until_stop(request, token_ids, self.eos_token_ids, self.max_model_len)
 
     def _token_output(
         self,
@@ -336,25 +351,7 @@ class Scheduler(SpeculativeScheduling):
         sampled: SampledTokens,
         status: RequestStatus | None,
     ) -> EngineCoreOutput:
-        if not request.timestamps.first_token:
-            request.timestamps.first_token = time.time()
-        logprobs = sampled.logprobs
-        if len(logprobs) > len(new_token_ids):
-            logprobs = logprobs[: len(new_token_ids)]
-        output = EngineCoreOutput(
-            request.request_id,
-            new_token_ids,
-            logprobs,
-            _UNSPECIFIED,
-            None,
-            request.num_cached_tokens,
-            request.timestamps,
-        )
-        if request.pending_prompt_logprobs:
-            output.prompt_logprobs, request.pending_prompt_logprobs = (
-                request.pending_prompt_logprobs,
-                [],
-            )
+        output = token_output(request, new_token_ids, sampled)
         if status is not None:
             self._finish(request, status)
             output.finish_reason = request.status.finish_reason
@@ -368,7 +365,7 @@ class Scheduler(SpeculativeScheduling):
             return self._fail(request, "the worker returned no vector for a pooled prompt")
         request.timestamps.first_token = time.time()
         self._finish(request, RequestStatus.FINISHED_STOPPED)
-        output = self._final_output(request)
+        output = final_output(request)
         output.pooling_output = data
         return output
 
@@ -396,7 +393,7 @@ class Scheduler(SpeculativeScheduling):
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:
         request.error = error
         self._finish(request, RequestStatus.FINISHED_ERROR)
-        return self._final_output(request)
+        return final_output(request)
 
     # ---- finishing ----------------------------------------------------------
 
@@ -413,15 +410,6 @@ class Scheduler(SpeculativeScheduling):
         if request.request_id in self._known:
             self._known.discard(request.request_id)
             self._finished_ids.append(request.request_id)
-
-    def _final_output(self, request: Request) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request.request_id,
-            finish_reason=request.status.finish_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            timestamps=request.timestamps,
-            error=request.error,
-        )
 
     # ---- figures --------------------------------------------------------------
 

@@ -52,7 +52,9 @@ def _serve_parser(
     add_runner_args(p)
     add_flags(p, CacheConfig, skip=("gpu_memory_utilization", "num_blocks_override"))
     add_flags(
-        p, SchedulerConfig, only=("max_num_seqs", "max_num_batched_tokens", "speculative_config")
+        p,
+        SchedulerConfig,
+        only=("max_num_seqs", "max_num_batched_tokens", "target_tpot_ms", "speculative_config"),
     )
     add_flags(p, ParallelConfig, only=("tensor_parallel_size", "enable_expert_parallel"))
     add_flags(p, GatewayConfig, skip=("cors_allow_origins", "max_body_bytes", "max_inflight_bytes"))

@@ -277,6 +277,12 @@ class SchedulerConfig:
         "Image placeholder tokens the workers may encode in one step (bounds the vision-encoder "
         "time of a step); 0: the step's token budget.",
     )
+    target_tpot_ms: float = flag(
+        0.0,
+        "Time per output token to aim for: a step that carries decodes gets only the prefill "
+        "tokens that keep it within this many ms, from step times learned online (at least 64; "
+        "--max-num-batched-tokens stays the cap); 0: every step may fill the cap.",
+    )
     speculative_config: SpeculativeConfig | None = SPECULATIVE.field()  # noqa: RUF009
     # Multi-LoRA: at most lora.max_loras distinct adapters in the running batch.
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -298,6 +304,7 @@ class SchedulerConfig:
             self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
         )
         _require(self.policy in ("fcfs", "priority"), f"unknown policy {self.policy!r}")
+        _require(self.target_tpot_ms >= 0, "target_tpot_ms must be >= 0")
 
 
 @dataclass(frozen=True)

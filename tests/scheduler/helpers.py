@@ -26,6 +26,7 @@ def make_scheduler(
     eos_token_ids: tuple[int, ...] = (),
     enable_prefix_caching: bool = True,
     rope_recompute_length: int = 0,
+    target_tpot_ms: float = 0.0,
 ) -> tuple[Scheduler, FakeWorker]:
     """A scheduler and a fake worker whose pool has been initialized to match."""
     config = SchedulerConfig(
@@ -33,6 +34,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         long_prefill_token_threshold=long_prefill_token_threshold,
         policy=policy,  # type: ignore[arg-type]
+        target_tpot_ms=target_tpot_ms,
     )
     scheduler = Scheduler(
         config,
