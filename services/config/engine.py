@@ -60,7 +60,7 @@ class ModelConfig:
         "Batch-invariant mode (vLLM's VLLM_BATCH_INVARIANT): each request's output, bit for "
         "bit, independent of what it is batched with, of chunked prefill and of prefix-cache "
         "hits (fixed-shape GEMM tiles, per-token attention with fixed KV splits). CPU only; "
-        "costs speed (docs/deterministic.md).",
+        "costs speed (docs/features.md).",
     )
     max_model_len: int = flag(0, "Longest prompt + output; 0: the model's max_position_embeddings.")
     device: str = flag("auto", "auto (cuda when available, else cpu), cpu or cuda[:N].")
