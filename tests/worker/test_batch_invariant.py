@@ -5,11 +5,14 @@ bf16 and float32. The real model end to end: tests/offline/test_deterministic.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from benchmarks.attention_cases import PagedCase, build_case
 from worker_service import batch_invariant
+from worker_service.attention.base import AttentionBackend
 from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.models import cpu_ops
 from worker_service.models.layers import Linear
@@ -19,12 +22,14 @@ DTYPES = [torch.bfloat16, torch.float32]
 BATCHES = [1, 2, 3, 7, 8, 9, 15, 16, 17, 33, 100, 257]
 
 
-def _linear(dtype: torch.dtype, k: int, n: int, packed: torch.dtype | None) -> Linear:
+def _linear(dtype: torch.dtype, k: int, n: int, packed: torch.dtype | str | None) -> Linear:
     torch.manual_seed(0)
     layer = Linear(k, n, bias=True)
     layer.weight.data = (torch.randn(n, k) * 0.05).to(dtype)
     layer.bias.data = torch.randn(n).to(dtype)
-    if packed is not None:
+    if packed == "q8_0":
+        layer.quantize()  # weight-only int8 blocks: the GGUF GEMM kernels
+    elif isinstance(packed, torch.dtype):
         layer.pack(packed)
     layer.tile_rows = batch_invariant.TILE_ROWS
     return layer
@@ -38,13 +43,15 @@ GEMMS = [
     (torch.bfloat16, torch.float32),
     (torch.float32, None),
     (torch.float32, torch.float32),
+    (torch.bfloat16, "q8_0"),
+    (torch.float32, "q8_0"),
 ]
 
 
 @pytest.mark.parametrize(("dtype", "packed"), GEMMS)
 @pytest.mark.parametrize(("k", "n"), [(576, 1728), (1536, 576)])
 def test_a_rows_gemm_output_does_not_depend_on_its_batch(
-    dtype: torch.dtype, packed: torch.dtype | None, k: int, n: int
+    dtype: torch.dtype, packed: torch.dtype | str | None, k: int, n: int
 ) -> None:
     layer = _linear(dtype, k, n, packed)
     gen = torch.Generator().manual_seed(1)
@@ -78,7 +85,7 @@ def _backend() -> CpuAttentionBackend:
 
 
 def _attend(
-    backend: CpuAttentionBackend, case: PagedCase, query: torch.Tensor, window: int = 0
+    backend: AttentionBackend, case: PagedCase, query: torch.Tensor, window: int = 0
 ) -> torch.Tensor:
     """Write the case's new K/V, then attend `query` (its new tokens' rows)."""
     backend.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
@@ -107,7 +114,15 @@ def _as_request0(case: PagedCase, alone: PagedCase, cached: int) -> torch.Tensor
 def test_a_tokens_attention_does_not_depend_on_batch_chunks_or_decode(
     dtype: torch.dtype, window: int
 ) -> None:
-    backend = _backend()
+    check_attention_invariance(_backend(), dtype, window)
+
+
+def check_attention_invariance(
+    backend: AttentionBackend, dtype: torch.dtype, window: int
+) -> torch.Tensor:
+    """Request 0's L-token prompt attended alone, first in a mixed batch, and as a decode of
+    its last token or a later chunk after a cached prefix (with another request beside it):
+    bit-identical rows. Returns the alone output [L, heads, dim]."""
     alone_case = build_case([(0, L)], 6, 2, 64, 16, dtype)
     alone = _attend(backend, alone_case, alone_case.query, window)  # [L, heads, dim]
     mixed = build_case([(0, L), (300, 1), (5, 7), (70, 1)], 6, 2, 64, 16, dtype, seed=1)
@@ -118,6 +133,7 @@ def test_a_tokens_attention_does_not_depend_on_batch_chunks_or_decode(
         query = torch.cat([_as_request0(case, alone_case, cached), case.query[L - cached :]])
         out = _attend(backend, case, query, window)[: L - cached]
         assert torch.equal(out, alone[cached:]), cached
+    return alone
 
 
 def test_batch_invariant_attention_matches_the_default_path_up_to_rounding() -> None:
@@ -126,7 +142,8 @@ def test_batch_invariant_attention_matches_the_default_path_up_to_rounding() -> 
     torch.testing.assert_close(_attend(_backend(), case, case.query), fast, rtol=1e-5, atol=1e-5)
 
 
-def _rows_alone_equal_batched(fn, x: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+def _rows_alone_equal_batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """fn's output row i for x's row i alone equals its row i of the whole batch."""
     batched = fn(x)
     for i in (0, x.shape[0] // 2, x.shape[0] - 1):
         assert torch.equal(fn(x[i : i + 1].clone())[0], batched[i]), i
