@@ -3,7 +3,9 @@
     python -m benchmarks.decode_bench [--dtype bfloat16] [--steps 32] [--repeats 3] [--profile]
 
 Measures (medians over repeats): batch-1 decode tokens/s, batch-32 decode tokens/s and a
-512-token prefill, for the in-process Worker (no gRPC), for HF transformers (eager
+512-token prefill, for the in-process Worker (no gRPC), for it again with --deterministic
+(batch-invariant kernels; its repeats interleaved with the default's, so that both see the same
+machine load; `--skip-deterministic` leaves it out), for HF transformers (eager
 generate with a KV cache; a static batch of 32 equal-length prompts) and for vLLM's
 offline LLM.generate (same prompts, prefix caching off; its venv: `--vllm-venv`), all in
 `--dtype`. Decode time excludes the prefill: HF's and vLLM's is
@@ -55,8 +57,14 @@ class WorkerBench:
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
         group: int = 32,
+        deterministic: bool = False,
     ) -> None:
-        model = ModelConfig(dtype=dtype, quantization=quantization, quantization_group_size=group)
+        model = ModelConfig(
+            dtype=dtype,
+            quantization=quantization,
+            quantization_group_size=group,
+            deterministic=deterministic,
+        )
         self.worker = Worker(
             WorkerConfig(model=model, cache=CacheConfig(cache_dtype=kv_cache_dtype))
         )
@@ -148,16 +156,33 @@ def measure_vllm(env: VllmEnv, dtype: str, steps: int, repeats: int, batch: int)
 
 
 def measure(bench: Any, steps: int, repeats: int, batch: int) -> dict[str, float]:
-    bench.decode(1, 4, "warm")
-    b1 = [bench.decode(1, steps, f"b1-{r}") for r in range(repeats)]
-    bb = [bench.decode(batch, steps, f"bb-{r}") for r in range(repeats)]
-    pf = [bench.prefill(512, f"pf-{r}") for r in range(repeats)]
-    return {
-        "decode_b1_tok_s": steps / statistics.median(b1),
-        f"decode_b{batch}_tok_s": batch * steps / statistics.median(bb),
-        "prefill_512_s": statistics.median(pf),
-        "prefill_512_tok_s": 512 / statistics.median(pf),
-    }
+    return measure_interleaved([bench], steps, repeats, batch)[0]
+
+
+def measure_interleaved(
+    benches: list[Any], steps: int, repeats: int, batch: int
+) -> list[dict[str, float]]:
+    """`measure`'s figures for each bench, every repeat of a metric run by each bench in turn
+    (the same load for all on a shared, noisy machine)."""
+    for bench in benches:
+        bench.decode(1, 4, "warm")
+
+    def times(run: Any) -> list[list[float]]:  # [bench][repeat] seconds
+        rounds = [[run(b, r) for b in benches] for r in range(repeats)]
+        return [list(col) for col in zip(*rounds, strict=True)]
+
+    b1 = times(lambda b, r: b.decode(1, steps, f"b1-{r}"))
+    bb = times(lambda b, r: b.decode(batch, steps, f"bb-{r}"))
+    pf = times(lambda b, r: b.prefill(512, f"pf-{r}"))
+    return [
+        {
+            "decode_b1_tok_s": steps / statistics.median(b1[i]),
+            f"decode_b{batch}_tok_s": batch * steps / statistics.median(bb[i]),
+            "prefill_512_s": statistics.median(pf[i]),
+            "prefill_512_tok_s": 512 / statistics.median(pf[i]),
+        }
+        for i in range(len(benches))
+    ]
 
 
 def profile_decode(bench: WorkerBench, steps: int) -> str:
@@ -176,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-deterministic", action="store_true", help="no --deterministic run")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM's virtualenv")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
@@ -187,6 +213,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     threads = configure_threads(args.num_threads)
     ours_bench = WorkerBench(args.dtype)
+    benches = [ours_bench]
+    if not args.skip_deterministic:
+        benches.append(WorkerBench(args.dtype, deterministic=True))
+    figures = measure_interleaved(benches, args.steps, args.repeats, args.batch)
     results: dict[str, Any] = {
         "dtype": args.dtype,
         "threads": threads,
@@ -194,11 +224,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "batch": args.batch,
         "cpu": cpu_info(),
-        "tessera": measure(ours_bench, args.steps, args.repeats, args.batch),
+        "tessera": figures[0],
     }
+    if len(figures) > 1:
+        results["tessera_deterministic"] = figures[1]
     if args.profile:
         print(profile_decode(ours_bench, args.steps))
-    del ours_bench
+    del ours_bench, benches
     if not args.skip_hf:
         results["hf_transformers"] = measure(
             HFBench(args.dtype), args.steps, args.repeats, args.batch
@@ -239,7 +271,22 @@ def table(results: dict[str, Any]) -> str:
     text = title + markdown_table(rows, columns)
     if "vllm_error" in results:
         text += f"\nvLLM: not measured ({results['vllm_error']})\n"
-    return text
+    return text + deterministic_table(results)
+
+
+def deterministic_table(results: dict[str, Any]) -> str:
+    """Markdown: --deterministic's figures against the default's (same run, interleaved)."""
+    det = results.get("tessera_deterministic")
+    if det is None:
+        return ""
+    rows = []
+    for key, ours in results["tessera"].items():
+        cost = ratio(det[key], ours, lower_is_better=key == "prefill_512_s")
+        rows.append({"metric": key, "default": ours, "deterministic": det[key],
+                     "deterministic speed / default": "" if cost is None else cost})  # fmt: skip
+    columns = ["metric", "default", "deterministic", "deterministic speed / default"]
+    title = "\n### --deterministic (batch-invariant kernels), interleaved with the default\n\n"
+    return title + markdown_table(rows, columns)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

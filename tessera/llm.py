@@ -118,6 +118,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int = 0,
+        deterministic: bool = False,
     ) -> None:
         """`runner="pooling"` (or vLLM's older `task="embed"`) serves `embed`, not `generate`;
         `speculative_config`: vLLM's dict, e.g. {"method": "ngram",
@@ -126,7 +127,9 @@ class LLM:
         groups of `quantization_group_size` = 32, 64 or 128 weights); an AWQ or GPTQ
         checkpoint is read as it is (its config.json's quantization_config).
         `kv_cache_dtype="int8"` / `"fp8_e4m3"` stores K/V in 8 bits with per-token, per-head
-        scales (vLLM's --kv-cache-dtype)."""
+        scales (vLLM's --kv-cache-dtype). `deterministic=True`: batch-invariant kernels (vLLM's
+        VLLM_BATCH_INVARIANT), a request's output independent of its batch, chunking and
+        prefix-cache hits."""
         from worker_service.worker import Worker  # torch comes in with the worker only
 
         source = model
@@ -152,6 +155,7 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 runner=self.runner,
+                deterministic=deterministic,
             ),
             cache=cache,
             attention_backend=attention_backend,  # type: ignore[arg-type]

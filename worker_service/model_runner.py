@@ -31,6 +31,7 @@ from services.step_types import (
 from services.types import TokenLogprobs
 from worker_service import kv_cache
 from worker_service.attention import get_attention_backend
+from worker_service.batch_invariant import make_batch_invariant
 from worker_service.cpu_kernels import KernelChoice, choose_kernels, read_cpu_info
 from worker_service.draft_model import DraftModelProposer
 from worker_service.input_batch import InputBatch, RequestState, StepBatch
@@ -74,6 +75,8 @@ class ModelRunner:
             log.info("weights: %s (weight-only)", done)
         if self.dtype == torch.bfloat16 and device.type == "cpu":
             self._use_cpu_kernels(choose_kernels(config.model, read_cpu_info()))
+        if config.model.deterministic:
+            make_batch_invariant(self.model, self.backend, device)
         arch = self.model.config
         self.max_model_len = min(
             config.model.max_model_len or arch.max_positions, arch.max_positions

@@ -55,6 +55,13 @@ class ModelConfig:
         "CPU bf16: HF's own bf16 GEMMs and decode attention, bit for bit (slower: no GQA "
         "folding, no C++ decode kernel); the bf16 parity test turns it on.",
     )
+    deterministic: bool = flag(
+        False,
+        "Batch-invariant mode (vLLM's VLLM_BATCH_INVARIANT): each request's output, bit for "
+        "bit, independent of what it is batched with, of chunked prefill and of prefix-cache "
+        "hits (fixed-shape GEMM tiles, per-token attention with fixed KV splits). CPU only; "
+        "costs speed (docs/features.md).",
+    )
     max_model_len: int = flag(0, "Longest prompt + output; 0: the model's max_position_embeddings.")
     device: str = flag("auto", "auto (cuda when available, else cpu), cpu or cuda[:N].")
     seed: int = flag(0, "Seed of the generator unseeded requests share.")
@@ -104,6 +111,10 @@ class ModelConfig:
         _require(
             not (self.hf_exact_numerics and self.bf16_gemm == "float32"),
             "hf_exact_numerics needs HF's native bf16 GEMMs, not bf16_gemm=float32",
+        )
+        _require(
+            not (self.deterministic and self.hf_exact_numerics),
+            "deterministic needs Tessera's CPU attention kernel, which hf_exact_numerics turns off",
         )
         _require(self.max_model_len >= 0, "max_model_len must be >= 0 (0: the model's own)")
         _require(
@@ -372,4 +383,17 @@ class WorkerConfig:
         _require(
             not (self.lora.enable_lora and self.parallel.tensor_parallel_size > 1),
             "LoRA with tensor_parallel_size > 1 is not supported yet",
+        )
+        _require(
+            not self.model.deterministic or self._batch_invariant_parts(),
+            "deterministic is not supported with LoRA adapters, an int8 KV cache (its "
+            "rotation) or the triton attention backend yet",
+        )
+
+    def _batch_invariant_parts(self) -> bool:
+        """Whether every part that --deterministic cannot make batch-invariant yet is off."""
+        return not (
+            self.lora.enable_lora
+            or self.cache.cache_dtype == "int8"
+            or self.attention_backend == "triton"
         )

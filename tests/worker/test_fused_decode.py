@@ -132,6 +132,7 @@ def test_steps_it_does_not_take_run_the_layers(pair: tuple[Worker, Worker]) -> N
         ("float32 (exact, layer by layer)", -1, {"dtype": "float32"}, {}),
         ("HF's exact kernels", -1, {"hf_exact_numerics": True}, {}),
         ("an int8 KV cache", -1, {}, {"cache_dtype": "int8"}),
+        ("batch-invariant GEMMs", -1, {"deterministic": True}, {}),
     ],
 )
 def test_models_it_does_not_take(

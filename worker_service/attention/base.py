@@ -58,6 +58,12 @@ class AttentionBackend(abc.ABC):
         (bit-exact bf16 runs); backends with nothing to change keep this no-op."""
         return None
 
+    def make_batch_invariant(self) -> None:
+        """--deterministic: from now on, each token's attention output depends only on its own
+        query and the K/V of its own causal context (bit for bit), not on the step's other
+        requests, its chunking or prefix-cache hits. Backends without such a mode refuse."""
+        raise ValueError(f"--deterministic is not supported by the {self.name} attention backend")
+
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]

@@ -12,6 +12,11 @@ Plan per step (built once, shared by all layers):
   SDPA call with a causal mask offset by its cached length (`is_causal` when
   there is no prefix).
 There is no per-token Python loop; the loop is per prefill request.
+
+Batch-invariant mode (--deterministic, `make_batch_invariant`): every new token, prefill or
+decode, is a row of the one kernel call with its own causal length (as verified draft tokens
+are), and the kernel splits a row's KV at fixed token counts (DETERMINISTIC_SPLIT_TOKENS) rather
+than by the step's size; a token's output then depends only on its query and its context's K/V.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class _Plan:
 
 # Decode requests per length group: fewer means less padding but more kernel calls.
 DECODE_GROUP = 8
+# Batch-invariant mode: a row's KV is split (for threads) every this many tokens of its own.
+DETERMINISTIC_SPLIT_TOKENS = 512
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -67,6 +74,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
         self._kernel = cpu_kernel.load() if decode_kernel else None
         self._reference = ReferenceAttentionBackend()
+        self.split_tokens = 0  # > 0: batch-invariant mode (make_batch_invariant)
 
     @property
     def decode_kernel(self) -> bool:
@@ -76,6 +84,13 @@ class CpuAttentionBackend(AttentionBackend):
     def match_hf_kernels(self) -> None:
         """HF's decode call (enable_gqa, one query row): folding rounds bf16 differently."""
         self.fold_gqa = False
+
+    def make_batch_invariant(self) -> None:
+        """Every token a kernel row with fixed KV splits; needs the C++ kernel (module doc)."""
+        if not self.decode_kernel:
+            why = "HF's kernels were asked for" if self._kernel else "it did not build"
+            raise ValueError(f"--deterministic needs the CPU attention kernel, but {why}")
+        self.split_tokens = DETERMINISTIC_SPLIT_TOKENS
 
     def _write_kv(
         self,
@@ -103,6 +118,11 @@ class CpuAttentionBackend(AttentionBackend):
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
+        if self.split_tokens and (softcap > 0 or query.dtype not in cpu_kernel.DTYPES):
+            raise ValueError(
+                "--deterministic: no batch-invariant CPU attention for score "
+                f"soft-capping or {query.dtype} (float32 and bfloat16 only)"
+            )
         if softcap > 0:  # SDPA cannot soft-cap scores: the plain-torch path (slower)
             return self._reference._forward(query, k_cache, v_cache, meta, scale, window, softcap)
         use_kernel = self.decode_kernel and query.dtype in cpu_kernel.DTYPES
@@ -196,16 +216,25 @@ class CpuAttentionBackend(AttentionBackend):
             self._plans, self._plan_for = {}, meta
         plan = self._plans.get(window)
         if plan is None:
-            plan = self._plans[window] = build_plan(meta, block_size, use_kernel, window)
+            plan = build_plan(meta, block_size, use_kernel, window, self.split_tokens)
+            self._plans[window] = plan
         return plan
 
 
 def build_plan(
-    meta: AttentionMetadata, block_size: int, use_kernel: bool = False, window: int = 0
+    meta: AttentionMetadata,
+    block_size: int,
+    use_kernel: bool = False,
+    window: int = 0,
+    split_tokens: int = 0,
 ) -> _Plan:
     """Split a step's requests into decode calls (one kernel call, or SDPA length groups)
-    and per-request prefill calls; masks keep each token to its sliding `window` (0: all)."""
+    and per-request prefill calls; masks keep each token to its sliding `window` (0: all).
+    split_tokens > 0 (batch-invariant mode): every token one kernel row, fixed KV splits."""
     starts = meta.query_start_loc.tolist()
+    if split_tokens:
+        every = list(range(meta.num_reqs))
+        return _Plan([], _verify_batch(meta, [], every, starts, split_tokens), [])
     decode_reqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     verify = set(meta.verify_reqs) if use_kernel else set()
     prefills = [
@@ -233,10 +262,15 @@ def _kernel_batch(
 
 
 def _verify_batch(
-    meta: AttentionMetadata, decode_reqs: list[int], verify: list[int], starts: list[int]
+    meta: AttentionMetadata,
+    decode_reqs: list[int],
+    verify: list[int],
+    starts: list[int],
+    split_tokens: int = 0,
 ) -> cpu_kernel.DecodeBatch:
     """Decode requests plus each verified token as a decode row of its own: token j of a
-    request with q new tokens and seq_len s sees the first s - q + 1 + j keys (causal)."""
+    request with q new tokens and seq_len s sees the first s - q + 1 + j keys (causal).
+    A prefill chunk's tokens are verified tokens in this sense (batch-invariant mode)."""
     items = [(i, starts[i], meta.seq_lens_cpu[i]) for i in decode_reqs]
     for i in verify:
         q, s = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
@@ -245,7 +279,7 @@ def _verify_batch(
     table = meta.block_table.index_select(0, req_rows).contiguous()  # [rows, max_blocks]
     seq_lens = torch.tensor([s for _, _, s in items], dtype=torch.int32)
     rows = torch.tensor([r for _, r, _ in items], dtype=torch.int64)
-    return cpu_kernel.DecodeBatch(table, seq_lens, torch.arange(len(items)), rows)
+    return cpu_kernel.DecodeBatch(table, seq_lens, torch.arange(len(items)), rows, split_tokens)
 
 
 def _length_groups(decode_reqs: list[int], seq_lens: list[int]) -> list[list[int]]:

@@ -14,7 +14,10 @@
 // query head, flash-attention style): each block's K rows are scored for all the query heads
 // of its GQA group at once, and its V rows weighed while they are in cache. Work is split
 // over (request, KV head, KV split): a step with few requests splits their sequences so that
-// every thread has work, and the splits' partial sums are merged at the end. Scores, softmax
+// every thread has work, and the splits' partial sums are merged at the end (in split order).
+// With split_tokens > 0 (batch-invariant mode) the splits are instead a function of the row's
+// own length only (one per split_tokens of its KV), so a row's bits never depend on the other
+// rows of the call; a row's result is computed by one thread either way. Scores, softmax
 // and sums are float32 (the weights of a bf16 cache are rounded to bf16 for the weighted
 // sum, as flash attention rounds P); bf16 outputs are rounded to nearest even. Inner loops:
 // bf16 pair dot products (AVX512-BF16) for bf16 caches where built, else AVX-512 float32
@@ -35,6 +38,7 @@ namespace {
 struct Shape {
   int64_t heads, kv_heads, head_dim, block_size;
   int64_t window;  // sliding window: attend to the last `window` tokens; 0 = all
+  int64_t split_tokens;  // > 0: fixed splits of this many tokens (batch-invariant); 0: adaptive
 };
 
 constexpr int64_t kMinSplitTokens = 256;  // a KV split reads at least this many tokens
@@ -157,8 +161,9 @@ void merge(float* parts, int64_t num_splits, int64_t heads, int64_t dim, T* out,
 }
 
 // The step's tasks: one per request, each request's blocks cut into a few splits of at
-// least kMinSplitTokens when there are fewer than 4 requests per thread; `splits[i]` is
-// request i's count and `first_part[i]` the index of its first partial state.
+// least kMinSplitTokens when there are fewer than 4 requests per thread (or, with
+// s.split_tokens, one split per split_tokens of its own KV); `splits[i]` is request i's count
+// and `first_part[i]` the index of its first partial state.
 std::vector<Task> plan(const int32_t* seq_lens, const int64_t* reqs, int64_t num_decode,
                        const Shape& s, int num_threads, std::vector<int64_t>& splits,
                        std::vector<int64_t>& first_part) {
@@ -171,7 +176,9 @@ std::vector<Task> plan(const int32_t* seq_lens, const int64_t* reqs, int64_t num
   for (int64_t i = 0; i < num_decode; ++i) {
     const int64_t seq_len = seq_lens[reqs[i]], bs = s.block_size;
     const int64_t b0 = window_start(seq_len, s) / bs, nb = (seq_len + bs - 1) / bs - b0;
-    const int64_t n = std::clamp<int64_t>(nb * bs / kMinSplitTokens, 1, ask);
+    const int64_t n = s.split_tokens > 0
+                          ? std::max<int64_t>(1, nb * bs / s.split_tokens)
+                          : std::clamp<int64_t>(nb * bs / kMinSplitTokens, 1, ask);
     splits[size_t(i)] = n;
     if (n > 1) first_part[size_t(i)] = parts;
     for (int64_t sp = 0; sp < n; ++sp)
@@ -262,17 +269,18 @@ int dispatch_cache(int cache_dtype, const T* query, const void* k_cache, const v
 
 // dtype: 0 float32, 1 bfloat16 (query and out share it); cache_dtype: 0 the same, 2 int8,
 // 3 float8 e4m3fn (quantized, with scales). reqs[i] indexes block_table / seq_lens; rows[i]
-// is that request's token row in query and out.
+// is that request's token row in query and out. split_tokens: 0 adaptive KV splits (by the
+// step's size), > 0 fixed splits of that many tokens (a row's bits independent of the batch).
 extern "C" int tessera_paged_decode(int dtype, int cache_dtype, const void* query, const void* k_cache,
                                     const void* v_cache, void* out, const int32_t* block_table,
                                     int64_t table_stride, const int32_t* seq_lens,
                                     const int64_t* reqs, const int64_t* rows, int64_t num_decode,
                                     int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                    int64_t block_size, int64_t window, float scale,
-                                    int num_threads) {
+                                    int64_t block_size, int64_t window,
+                                    int64_t split_tokens, float scale, int num_threads) {
   if (heads % kv_heads != 0) return 1;
-  if (window < 0) return 3;
-  const Shape s{heads, kv_heads, head_dim, block_size, window};
+  if (window < 0 || split_tokens < 0) return 3;
+  const Shape s{heads, kv_heads, head_dim, block_size, window, split_tokens};
   if (dtype != 0 && dtype != 1) return 2;
   if (dtype == 0)
     return dispatch_cache(cache_dtype, static_cast<const float*>(query), k_cache, v_cache,

@@ -33,7 +33,7 @@ _ARGTYPES: list[Any] = [
     *[ctypes.c_void_p] * 5,  # query, k_cache, v_cache, out, block_table
     ctypes.c_int64,  # table_stride
     *[ctypes.c_void_p] * 3,  # seq_lens, reqs, rows
-    *[ctypes.c_int64] * 6,  # num_decode, heads, kv_heads, head_dim, block_size, window
+    *[ctypes.c_int64] * 7,  # num_decode, heads, kv_heads, head_dim, block_size, window, split
     ctypes.c_float,  # scale
     ctypes.c_int,  # num_threads
 ]
@@ -65,12 +65,16 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [num_reqs] int32
     reqs: torch.Tensor  # [num_decode] int64: the decode requests
     rows: torch.Tensor  # [num_decode] int64: their token rows
+    # KV splits: 0 adaptive (more when the step has few rows: faster, but a row's bits depend
+    # on the step); > 0 one split per split_tokens of a row's own KV (batch-invariant mode).
+    split_tokens: int = 0
 
     def __post_init__(self) -> None:
         for t in (self.block_table, self.seq_lens, self.reqs, self.rows):
             assert t.is_contiguous() and t.device.type == "cpu"
         assert self.block_table.dtype == self.seq_lens.dtype == torch.int32
         assert self.reqs.dtype == self.rows.dtype == torch.int64
+        assert self.split_tokens >= 0
 
 
 def paged_decode(
@@ -98,7 +102,8 @@ def paged_decode(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         b.block_table.data_ptr(), b.block_table.shape[1], b.seq_lens.data_ptr(),
         b.reqs.data_ptr(), b.rows.data_ptr(), b.reqs.shape[0],
-        query.shape[1], kv_heads, head_dim, block_size, window, scale, torch.get_num_threads(),
+        query.shape[1], kv_heads, head_dim, block_size, window, b.split_tokens, scale,
+        torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise ValueError(f"paged decode kernel rejected its arguments (status {status})")

@@ -20,6 +20,11 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    batch_invariant = False  # set by make_batch_invariant (--deterministic)
+
+    def make_batch_invariant(self) -> None:
+        """One token per attention program, in fixed rows (triton_kernels doc)."""
+        self.batch_invariant = True
 
     def _write_kv(
         self,
@@ -76,6 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             window=window,
             softcap=softcap,
+            batch_invariant=self.batch_invariant,
         )
         return out
 

@@ -14,6 +14,11 @@ Paged attention, one program per (query block, kv head):
 - keys are visited in tiles of TILE_N positions; each position's block id comes from the
   block table, so any block size works and a tile may span several blocks;
 - softmax is online (running max and sum, base-2 exponentials) in float32;
+- batch-invariant mode (`paged_attention(batch_invariant=True)`, --deterministic): one token
+  per program (BLOCK_Q = 1, BLOCK_M the decode size), so a token's heads always sit in the
+  same rows of the same-shaped dots and its key tiles start where its own position puts them,
+  whatever its request's chunking or the step's other tokens (a GEMM's row may round
+  differently in another row position: numpy's, under the interpreter, does);
 - a quantized pool (KV_QUANT, attention.kv_quant: int8 or float8 e4m3 values, then a
   float16 scale per slot and head in the last two elements of each head row) is read as
   its values widened to the query dtype (exact) with the scales applied to each key's
@@ -312,9 +317,11 @@ def paged_attention(
     tile_n: int = 32,
     window: int = 0,
     softcap: float = 0.0,
+    batch_invariant: bool = False,
 ) -> None:
     """Launch the paged attention kernel, writing into `out` (each token over the last
-    `window` keys up to itself with a sliding window > 0)."""
+    `window` keys up to itself with a sliding window > 0). `batch_invariant`: a token's
+    output independent of the step's other tokens and requests (module doc)."""
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -325,8 +332,8 @@ def paged_attention(
     v_scale = v_cache.view(torch.float16) if quant else v_cache
     if quant == 2:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    block_m = block_m_for(max_query_len, group)
-    block_q = block_m // group
+    block_m = block_m_for(1 if batch_invariant else max_query_len, group)
+    block_q = 1 if batch_invariant else block_m // group
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,

@@ -51,10 +51,13 @@ struct TesseraDecodeShape {
 };
 
 // attention/cpu_decode.cpp's tessera_paged_decode.
+// (dtype, cache_dtype, query, k_cache, v_cache, out, block_table, table_stride, seq_lens, reqs,
+//  rows, num_decode, heads, kv_heads, head_dim, block_size, window, split_tokens, scale,
+//  num_threads)
 typedef int (*TesseraPagedDecode)(int, int, const void*, const void*, const void*, void*,
                                   const int32_t*, int64_t, const int32_t*, const int64_t*,
                                   const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                  int64_t, float, int);
+                                  int64_t, int64_t, float, int);
 }
 
 namespace decode_layers {
@@ -129,7 +132,7 @@ int attention(const TesseraDecodeShape& d, const TesseraLayer& l, Buffers<T>& b,
   scatter_qkv(d, l, b, s);
   status = s.attend(kDtype<T>, 0, b.query.data(), l.k_cache, l.v_cache, b.attn.data(),
                     s.block_table, s.table_stride, s.seq_lens, s.index, s.index, s.rows, d.heads,
-                    d.kv_heads, d.head_dim, d.block_size, l.window, d.scale, s.num_threads);
+                    d.kv_heads, d.head_dim, d.block_size, l.window, /*split_tokens=*/0, d.scale, s.num_threads);
   if (status) return 10 + status;
   return linear(l.o, b.attn.data(), b.o.data(), s);
 }

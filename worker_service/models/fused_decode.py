@@ -186,6 +186,8 @@ class FusedDecode:
         )
 
     def _linear(self, linear: Linear) -> _Linear:
+        if linear.tile_rows:  # its rows must not depend on the batch: the layers tile them
+            raise Unfusable("batch-invariant GEMMs (--deterministic)")
         bias = None if linear.bias is None else self._ptr(_in(linear.bias.data, self.dtype))
         if linear.quant is not None:
             q = linear.quant

@@ -8,7 +8,7 @@ matmul accumulation are float32, and the logits are returned as float32.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -69,6 +69,11 @@ class Linear(nn.Linear):
     the CPU has bf16 pair dot products (AVX512-BF16): there that GEMM beats oneDNN's packed
     bf16 one up to 8 rows (5.4 vs 6.8 ms a step of the default model's layers at one row,
     7.5 vs 8.5 at eight; Zen 4, 2 threads).
+
+    Batch-invariant mode (`tile_rows` > 0, --deterministic): the rows run as GEMMs of exactly
+    `tile_rows` rows each (the last tile zero-padded), so every call has one shape, one kernel
+    and one blocking, and a row's bits do not depend on how many rows came with it (oneDNN's
+    float32 and MKL's GEMMs otherwise change their reduction with the row count).
     """
 
     packed: torch.Tensor | None = None  # set by pack()
@@ -78,6 +83,7 @@ class Linear(nn.Linear):
     small_gemm: CpuOps | None = None  # few-row bf16 GEMM (pack(): upcast bf16, or AVX512-BF16)
     quant: BlockWeight | None = None  # GGUF blocks (quantize(), set_blocks()) replace weight
     defer_weights = False  # set by deferred_weights(): new weights start on the meta device
+    tile_rows = 0  # > 0: batch-invariant GEMMs in tiles of this many rows (class doc)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         meta = torch.device("meta") if Linear.defer_weights else None
@@ -109,6 +115,12 @@ class Linear(nn.Linear):
             self.small_gemm = cpu_ops.load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_rows:
+            return in_row_tiles(self._gemm, x, self.tile_rows)
+        return self._gemm(x)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, in] -> [n, out] by the fastest kernel for n rows."""
         if self.quant is not None:
             return self.quant.linear(x, self.bias)
         if self.packed is None:
@@ -119,6 +131,22 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         out = linear_onednn(x.to(self.compute_dtype), self.packed, self.packed_bias)
         return out.to(x.dtype)
+
+
+def in_row_tiles(
+    gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """gemm over [..., in] x as calls of exactly `rows` rows ([rows, in], contiguous, the
+    allocator's alignment; the last tile zero-padded), concatenated: [..., out]."""
+    flat = x.reshape(-1, x.shape[-1])  # [n, in]
+    n = flat.shape[0]
+    if n == 0:
+        return gemm(x)
+    padded = flat.new_zeros(-(-n // rows) * rows, flat.shape[1])  # [tiles * rows, in]
+    padded[:n] = flat
+    outs = [gemm(padded[i : i + rows].clone()) for i in range(0, n, rows)]
+    out = torch.cat(outs)[:n] if len(outs) != 1 else outs[0][:n]  # [n, out]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @contextmanager
