@@ -46,10 +46,11 @@ def test_the_handshake_counts_blocks_at_the_smaller_size(llms: dict[str, LLM]) -
 
 # (prompts of 8 equal over all 32 tokens, share of the 8 x 32 tokens in common prefixes) at
 # least. Measured (bf16): int8 4/8 on an AVX2 EPYC; 2/8 with 72% and 5/8 with 80% on an AMX
-# Xeon (native bf16 GEMMs round elsewhere, so greedy ties break elsewhere); fp8 e4m3 (3
+# Xeon (native bf16 GEMMs round elsewhere, so greedy ties break elsewhere); 4/8 with 65% on a
+# Zen 4 EPYC (few-row GEMMs on bf16 pair dot products); fp8 e4m3 (3
 # mantissa bits) 1/8 with 39% and 34% there (2/8 with 50% even in float32): its noise flips
 # near-tied tokens early, so its quality bar is the perplexity test below.
-GREEDY_BARS = {"int8": (2, 0.7), "fp8_e4m3": (0, 0.25)}
+GREEDY_BARS = {"int8": (2, 0.6), "fp8_e4m3": (0, 0.25)}
 
 
 @pytest.mark.parametrize("kv", sorted(GREEDY_BARS))
