@@ -45,8 +45,6 @@ ROOTS: list[Any] = [
     worker_pb2.ModelInfo,
     worker_pb2.KVCacheSpec,
 ]
-# Written by hand in services/wire_rules.py (vLLM's shape, not the message's).
-HAND_WRITTEN = {"StructuredOutputParams": ("fill_structured_output", "read_structured_output")}
 
 F = FieldDescriptor
 LINE = 100  # ruff's line length: the output needs no formatting
@@ -73,7 +71,6 @@ from google.protobuf.message import Message
 
 from services import wire_rules as rules
 from services.pb import engine_pb2, tensor_pb2, worker_pb2
-from services.wire_rules import StructuredOutputParams
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
@@ -139,11 +136,13 @@ def messages() -> list[Descriptor]:
     seen: dict[str, Descriptor] = {}
 
     def visit(desc: Descriptor) -> None:
-        if desc.name in seen or desc.name in HAND_WRITTEN:
+        if desc.name in seen:
             return
         for fd in desc.fields:
-            if fd.message_type is not None and not fd.message_type.GetOptions().map_entry:
-                visit(fd.message_type)
+            nested = fd.message_type
+            carried = nested is not None and option(fd, options_pb2.unwrap)  # not a type
+            if nested is not None and not nested.GetOptions().map_entry and not carried:
+                visit(nested)
         seen[desc.name] = desc
 
     for cls in ROOTS:
@@ -215,9 +214,9 @@ def plan_optional(fd: FieldDescriptor) -> Field:
 def message_field(fd: FieldDescriptor) -> Field:
     assert fd.message_type is not None
     name, item = fd.name, fd.message_type.name
-    fill_fn, read_fn = HAND_WRITTEN.get(item, (f"_fill_{snake(item)}", f"_read_{snake(item)}"))
-    if item in HAND_WRITTEN:
-        fill_fn, read_fn = f"rules.{fill_fn}", f"rules.{read_fn}"
+    if option(fd, options_pb2.unwrap):
+        return unwrapped_field(fd)
+    fill_fn, read_fn = f"_fill_{snake(item)}", f"_read_{snake(item)}"
     if option(fd, options_pb2.never_none):
         return Field(
             name,
@@ -233,6 +232,22 @@ def message_field(fd: FieldDescriptor) -> Field:
     ]
     read = f'{read_fn}(msg.{name}) if msg.HasField("{name}") else None'
     return Field(name, f"{item} | None", "None", fill, read)
+
+
+def unwrapped_field(fd: FieldDescriptor) -> Field:
+    """A message field carrying one repeated scalar, as the tuple of its values or None."""
+    assert fd.message_type is not None
+    (inner,) = fd.message_type.fields
+    if not inner.is_repeated or inner.message_type is not None:
+        raise SystemExit(f"{fd.full_name}: unwrap needs a message of one repeated scalar")
+    name, values, t = fd.name, inner.name, scalar_type(inner)
+    fill = [
+        f"if obj.{name} is not None:",
+        f"    msg.{name}.SetInParent()",
+        f"    msg.{name}.{values}.extend(obj.{name})",
+    ]
+    read = f'tuple(msg.{name}.{values}) if msg.HasField("{name}") else None'
+    return Field(name, f"tuple[{t}, ...] | None", "None", fill, read)
 
 
 def scalar_field(fd: FieldDescriptor, default_text: str) -> Field:
@@ -294,7 +309,8 @@ def render_converters(desc: Descriptor, fields: list[Field]) -> Iterator[str]:
 def wrap_def(name: str, params: str, returns: str) -> Iterator[str]:
     """A def line, wrapped the way ruff format wraps it."""
     line = f"def {name}({params}) -> {returns}:"
-    yield line if len(line) <= LINE else f"def {name}(\n    {params}\n) -> {returns}:"
+    comma = "" if ", " in params else ","  # ruff gives a lone parameter a trailing comma
+    yield line if len(line) <= LINE else f"def {name}(\n    {params}{comma}\n) -> {returns}:"
 
 
 def wrap_call(line: str) -> Iterator[str]:
@@ -332,15 +348,12 @@ def render() -> str:
     pairs = [(d.name, f"{module(d)}.{d.name}", snake(d.name)) for d in descs]
     table = ["# Each type's message and converters, for services.convert."]
     table.append("MESSAGES: dict[type, type[Message]] = {")
-    table.append("    StructuredOutputParams: engine_pb2.StructuredOutputParams,")
     table += [f"    {c}: {pb}," for c, pb, _ in pairs]
     table.append("}")
     table.append("FILL: dict[type, Callable[[Any, Any], None]] = {")
-    table.append("    StructuredOutputParams: rules.fill_structured_output,")
     table += [f"    {c}: _fill_{fn}," for c, _, fn in pairs]
     table.append("}")
     table.append("READ: dict[type, Callable[[Any], Any]] = {")
-    table.append("    StructuredOutputParams: rules.read_structured_output,")
     table += [f"    {c}: _read_{fn}," for c, _, fn in pairs]
     table.append("}")
     blocks.append(table)

@@ -17,10 +17,11 @@ from services.wire import (
     RequestTimestamps,
     SamplingParams,
     SharedMemoryLocation,
+    StructuredOutputParams,
     TensorHandle,
     TokenLogprobs,
 )
-from services.wire_rules import MAX_LOGPROBS, MAX_N, StructuredOutputParams
+from services.wire_rules import MAX_LOGPROBS, MAX_N
 
 StructuredOutputsParams = StructuredOutputParams  # vLLM's name (vllm.sampling_params)
 

@@ -18,7 +18,6 @@ from google.protobuf.message import Message
 
 from services import wire_rules as rules
 from services.pb import engine_pb2, tensor_pb2, worker_pb2
-from services.wire_rules import StructuredOutputParams
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
@@ -42,6 +41,19 @@ class FinishReason(rules.FinishReasonRules, enum.IntEnum):
     LENGTH = 2
     ABORT = 3
     ERROR = 4
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputParams(rules.StructuredOutputParamsRules):
+    """A decoding constraint: the output must match exactly one of these.
+
+    tessera.v1.StructuredOutputParams in protos/engine.proto."""
+
+    json: str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +419,34 @@ class KVCacheSpec:
     rope_recompute_length: int = 0
 
 
+def _fill_structured_output_params(
+    msg: engine_pb2.StructuredOutputParams, obj: StructuredOutputParams
+) -> None:
+    if obj.json is not None:
+        msg.json = obj.json
+    if obj.json_object is not None:
+        msg.json_object = obj.json_object
+    if obj.regex is not None:
+        msg.regex = obj.regex
+    if obj.choice is not None:
+        msg.choice.SetInParent()
+        msg.choice.values.extend(obj.choice)
+    if obj.grammar is not None:
+        msg.grammar = obj.grammar
+
+
+def _read_structured_output_params(
+    msg: engine_pb2.StructuredOutputParams,
+) -> StructuredOutputParams:
+    return StructuredOutputParams(  # the fields in order
+        msg.json if msg.HasField("json") else None,
+        msg.json_object if msg.HasField("json_object") else None,
+        msg.regex if msg.HasField("regex") else None,
+        tuple(msg.choice.values) if msg.HasField("choice") else None,
+        msg.grammar if msg.HasField("grammar") else None,
+    )
+
+
 def _fill_sampling_params(msg: engine_pb2.SamplingParams, obj: SamplingParams) -> None:
     msg.temperature = obj.temperature
     msg.top_p = obj.top_p
@@ -431,7 +471,7 @@ def _fill_sampling_params(msg: engine_pb2.SamplingParams, obj: SamplingParams) -
         msg.prompt_logprobs = obj.prompt_logprobs
     if obj.structured_output is not None:
         msg.structured_output.SetInParent()
-        rules.fill_structured_output(msg.structured_output, obj.structured_output)
+        _fill_structured_output_params(msg.structured_output, obj.structured_output)
 
 
 def _read_sampling_params(msg: engine_pb2.SamplingParams) -> SamplingParams:
@@ -451,7 +491,7 @@ def _read_sampling_params(msg: engine_pb2.SamplingParams) -> SamplingParams:
         dict(msg.logit_bias),
         msg.logprobs if msg.HasField("logprobs") else None,
         msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        rules.read_structured_output(msg.structured_output)
+        _read_structured_output_params(msg.structured_output)
         if msg.HasField("structured_output")
         else None,
     )
@@ -1038,7 +1078,7 @@ MESSAGES: dict[type, type[Message]] = {
     KVCacheSpec: worker_pb2.KVCacheSpec,
 }
 FILL: dict[type, Callable[[Any, Any], None]] = {
-    StructuredOutputParams: rules.fill_structured_output,
+    StructuredOutputParams: _fill_structured_output_params,
     SamplingParams: _fill_sampling_params,
     CudaIpcLocation: _fill_cuda_ipc_location,
     SharedMemoryLocation: _fill_shared_memory_location,
@@ -1065,7 +1105,7 @@ FILL: dict[type, Callable[[Any, Any], None]] = {
     KVCacheSpec: _fill_kv_cache_spec,
 }
 READ: dict[type, Callable[[Any], Any]] = {
-    StructuredOutputParams: rules.read_structured_output,
+    StructuredOutputParams: _read_structured_output_params,
     SamplingParams: _read_sampling_params,
     CudaIpcLocation: _read_cuda_ipc_location,
     SharedMemoryLocation: _read_shared_memory_location,

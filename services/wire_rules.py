@@ -4,20 +4,15 @@ The fields, defaults and proto conversions of each type are generated from proto
 services/wire.py, whose class `X` inherits `XRules` from here when this module defines one
 (scripts/gen_wire_types.py looks for the names). A rule reads the fields through `_fields`,
 which only tells mypy what `self` is.
-
-StructuredOutputParams is the one type written by hand: it keeps vLLM's shape (`json`,
-`choice` as a tuple) over a proto oneof, so its converters are here too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from services import wire
-    from services.pb import engine_pb2
 
 MAX_LOGPROBS = 20  # top logprobs per token the engine computes at most
 MAX_N = 64  # choices per request the gateway accepts at most (--max-n may lower it)
@@ -136,48 +131,19 @@ def _check(ok: bool, name: str, expected: str) -> None:
         raise ValueError(f"{name} must be {expected}")
 
 
-@dataclass(frozen=True, slots=True)
-class StructuredOutputParams:
-    """One decoding constraint (vLLM's StructuredOutputsParams); exactly one field is set."""
+class StructuredOutputParamsRules:
+    """vLLM's StructuredOutputsParams: exactly one of json (a schema as JSON text),
+    json_object (True), regex, choice (a list is kept as a tuple) and grammar is set."""
 
-    json: str | None = None  # a JSON schema, serialized as JSON text
-    json_object: bool = False  # any JSON object
-    regex: str | None = None  # the whole output matches this regular expression
-    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
-    grammar: str | None = None  # EBNF in the backend's dialect (Lark or GBNF, see llguidance)
+    __slots__ = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.choice, list):  # accept a list, keep the object hashable
-            object.__setattr__(self, "choice", tuple(self.choice))
-        values = (self.json, self.json_object or None, self.regex, self.choice, self.grammar)
+        p = cast("wire.StructuredOutputParams", self)
+        if isinstance(p.choice, list):  # accept a list, keep the object hashable
+            object.__setattr__(p, "choice", tuple(p.choice))
+        values = (p.json, p.json_object, p.regex, p.choice, p.grammar)
         if sum(v is not None for v in values) != 1:
             raise ValueError(
                 "structured_output needs exactly one of json, json_object, regex, choice, grammar"
             )
-
-
-def fill_structured_output(
-    msg: engine_pb2.StructuredOutputParams, obj: StructuredOutputParams
-) -> None:
-    """The oneof `constraint` from the one field that is set (`json` travels as json_schema)."""
-    if obj.json is not None:
-        msg.json_schema = obj.json
-    elif obj.json_object:
-        msg.json_object = True
-    elif obj.regex is not None:
-        msg.regex = obj.regex
-    elif obj.choice is not None:
-        msg.choice.SetInParent()
-        msg.choice.values.extend(obj.choice)
-    elif obj.grammar is not None:
-        msg.grammar = obj.grammar
-
-
-def read_structured_output(msg: engine_pb2.StructuredOutputParams) -> StructuredOutputParams:
-    which = msg.WhichOneof("constraint")
-    if which is None:
-        raise ValueError("StructuredOutputParams has no constraint set")
-    if which == "choice":
-        return StructuredOutputParams(choice=tuple(msg.choice.values))
-    value = getattr(msg, which)
-    return StructuredOutputParams(**{"json" if which == "json_schema" else which: value})
+        _check(p.json_object in (None, True), "json_object", "True when given")

@@ -91,7 +91,7 @@ def _valid(draw: st.DrawFn, cls: type, fields: dict[str, st.SearchStrategy[Any]]
 
 
 def _structured() -> st.SearchStrategy[StructuredOutputParams]:
-    """One constraint of each form (its converter maps json <-> json_schema and wraps choice)."""
+    """One constraint of each form (a oneof: the generic strategy would set several)."""
     text = st.text(min_size=1, max_size=20)
     return st.one_of(
         st.builds(StructuredOutputParams, json=text),
