@@ -156,8 +156,8 @@ class ModelRunner:
         if self.draft is not None:
             allocated += self.draft.allocate(num_blocks)
         self.num_blocks = num_blocks
-        fused = fused_decode.build(self.model, self.backend, self.config.fused_decode_rows)
-        self.forward = fused if fused is not None and self.lora is None else self.model
+        rows = self.config.fused_decode_rows if self.lora is None else 0  # LoRA: per layer
+        self.forward = fused_decode.build(self.model, self.backend, rows) or self.model
         return allocated
 
     def release_cache(self) -> None:

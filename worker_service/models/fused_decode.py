@@ -26,7 +26,7 @@ from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.models.context import get_attention_metadata
 from worker_service.models.cpu_ops import DTYPES, SMALL_GEMM_ROWS, CpuOps
-from worker_service.models.layers import GatedMLP, Linear, RMSNorm
+from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RowParallelLinear
 from worker_service.models.llama import (
     DecoderLayer,
     LlamaForCausalLM,
@@ -185,7 +185,9 @@ class FusedDecode:
             attn.sliding_window,
         )
 
-    def _linear(self, linear: Linear) -> _Linear:
+    def _linear(self, linear: Any) -> _Linear:
+        if type(linear) not in (Linear, RowParallelLinear):  # e.g. a LoRA wrapper
+            raise Unfusable(f"a {type(linear).__name__} GEMM")
         if linear.tile_rows:  # its rows must not depend on the batch: the layers tile them
             raise Unfusable("batch-invariant GEMMs (--deterministic)")
         bias = None if linear.bias is None else self._ptr(_in(linear.bias.data, self.dtype))
