@@ -126,8 +126,6 @@ class FusedDecode:
         if input_embeds is not None or not self.takes(meta, input_ids, positions):
             return self.model(input_ids, positions, input_embeds)
         cos, sin = self.model.rotary.lookup(positions, self.dtype)  # [n, 1, head_dim / 2]
-        if 2 * cos.shape[-1] != self.shape.head_dim:  # partial rotary: the layers' path
-            return self.model(input_ids, positions, input_embeds)
         residual = self.model.embed_tokens(input_ids).contiguous()  # [n, hidden]
         x = torch.empty_like(residual)
         self._run(x, residual, cos.contiguous(), sin.contiguous(), meta)
@@ -216,6 +214,8 @@ def build(model: Any, backend: Any, max_rows: int) -> FusedDecode | None:
             raise Unfusable(f"model {type(model).__name__} (tp {model.tp.size})")
         if not isinstance(backend, CpuAttentionBackend) or not backend.decode_kernel:
             raise Unfusable("attention is not the CPU paged decode kernel")
+        if not model.rotary.full:
+            raise Unfusable("partial rotary embedding")
         ops = model.norm.ops
         if ops is None:
             raise Unfusable("the fused CPU ops are off")
