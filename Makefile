@@ -8,7 +8,7 @@ PB_STAMP := services/pb/.generated
 MODEL_STAMP := $(VENV)/.default-model
 PYTEST_ARGS ?=
 
-.PHONY: install proto model test test-fast lint serve bench bench-quick bench-dp soak clean compose-check config-doc
+.PHONY: install proto model test test-fast lint serve bench bench-quick bench-dp soak clean compose-check config-doc java-client-deps
 
 install: $(STAMP) $(PB_STAMP) $(MODEL_STAMP)
 
@@ -41,8 +41,13 @@ $(MODEL_STAMP): $(STAMP) $(PB_STAMP)
 	$(PY) -m services.default_model
 	touch $@
 
+# The Java client example's toolchain, as Debian packages (tests/stack/test_grpc_clients.py builds
+# it offline): installed as root where apt-get is; otherwise a one-line note and nothing done.
+java-client-deps:
+	bash scripts/install_java_client.sh
+
 # The whole suite: about 40 minutes on a quiet 2-core machine (the last clean-clone run: 36 min).
-test: install
+test: install java-client-deps
 	bash scripts/run_pytest.sh $(PYTEST_ARGS)
 
 test-fast: install

@@ -90,10 +90,14 @@ class WorkerBench:
             )
             for i, r in enumerate(ids)
         ]
-        self._run(SchedulerOutput(0, news, [], dict.fromkeys(ids, PROMPT_LEN), batch * PROMPT_LEN))
+        self._run(
+            SchedulerOutput(
+                0, news, CachedRequestData(), dict.fromkeys(ids, PROMPT_LEN), batch * PROMPT_LEN
+            )
+        )
         start = time.perf_counter()
         for k in range(steps):
-            cached = [CachedRequestData(r, [], PROMPT_LEN + k) for r in ids]
+            cached = CachedRequestData.of((r, PROMPT_LEN + k, []) for r in ids)
             self._run(SchedulerOutput(0, [], cached, dict.fromkeys(ids, 1), batch))
         elapsed = time.perf_counter() - start
         self._run(SchedulerOutput(0, finished_req_ids=ids))
@@ -102,7 +106,7 @@ class WorkerBench:
     def prefill(self, n: int, tag: str) -> float:
         new = NewRequestData(tag, _prompt(0, n), [], GREEDY, list(range(-(-n // BLOCK) + 1)))
         start = time.perf_counter()
-        self._run(SchedulerOutput(0, [new], [], {tag: n}, n))
+        self._run(SchedulerOutput(0, [new], CachedRequestData(), {tag: n}, n))
         elapsed = time.perf_counter() - start
         self._run(SchedulerOutput(0, finished_req_ids=[tag]))
         return elapsed

@@ -23,7 +23,7 @@ from benchmarks.report import RESULTS_DIR, markdown_table, write_results
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
 from services.config import SchedulerConfig
-from services.step_types import ModelRunnerOutput, SampledTokens, SchedulerOutput
+from services.step_types import ModelRunnerOutput, SchedulerOutput
 from services.types import SamplingParams
 
 BLOCK_SIZE = 16
@@ -33,11 +33,12 @@ MAX_MODEL_LEN = 8192
 def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
     """One sampled token for every request whose scheduled range reaches its end."""
     result = ModelRunnerOutput(step_id=out.step_id)
+    tokens = []
     for request_id, n in out.num_scheduled_tokens.items():
         request = sched.requests[request_id]
         done = request.num_computed_tokens + n == request.num_tokens
-        result.req_ids.append(request_id)
-        result.sampled.append(SampledTokens([request.all_token_ids[-1] % 1000 + 1] if done else []))
+        tokens.append([request.all_token_ids[-1] % 1000 + 1] if done else [])
+    result.set_sampled(list(out.num_scheduled_tokens), tokens)
     return result
 
 

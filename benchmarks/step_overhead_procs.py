@@ -16,7 +16,6 @@ from services.step_types import (
     KVCacheSpec,
     ModelInfo,
     ModelRunnerOutput,
-    SampledTokens,
     SchedulerOutput,
     WorkerTimings,
 )
@@ -56,15 +55,16 @@ class InstantWorker:
             num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
             self.progress[new.request_id] = [num_tokens, new.num_computed_tokens]
         out = ModelRunnerOutput(step_id=so.step_id)
+        tokens = []
         for request_id, n in so.num_scheduled_tokens.items():
             state = self.progress[request_id]
             state[1] += n
-            out.req_ids.append(request_id)
             if state[1] == state[0]:
                 state[0] += 1
-                out.sampled.append(SampledTokens([state[0] % 50_000]))
+                tokens.append([state[0] % 50_000])
             else:
-                out.sampled.append(SampledTokens())
+                tokens.append([])
+        out.set_sampled(list(so.num_scheduled_tokens), tokens)
         out.timings = WorkerTimings(total_ms=(time.perf_counter() - start) * 1e3)
         return out
 

@@ -82,10 +82,12 @@ class StructuredBench:
             )
             for i, rid in enumerate(ids)
         ]
-        self._run(SchedulerOutput(0, news, [], dict.fromkeys(ids, n), self.batch * n))
+        self._run(
+            SchedulerOutput(0, news, CachedRequestData(), dict.fromkeys(ids, n), self.batch * n)
+        )
         start = time.perf_counter()
         for k in range(self.steps):
-            cached = [CachedRequestData(r, [], n + k) for r in ids]
+            cached = CachedRequestData.of((r, n + k, []) for r in ids)
             self._run(SchedulerOutput(0, [], cached, dict.fromkeys(ids, 1), self.batch))
         elapsed = time.perf_counter() - start
         self._run(SchedulerOutput(0, finished_req_ids=ids))

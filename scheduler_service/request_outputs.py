@@ -6,8 +6,7 @@ import time
 
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.stop import check_stop
-from services.step_types import SampledTokens
-from services.types import EngineCoreOutput, FinishReason
+from services.types import EngineCoreOutput, FinishReason, TokenLogprobs
 
 _UNSPECIFIED = FinishReason.UNSPECIFIED
 
@@ -28,12 +27,12 @@ def append_until_stop(
 
 
 def token_output(
-    request: Request, new_token_ids: list[int], sampled: SampledTokens
+    request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs]
 ) -> EngineCoreOutput:
-    """New tokens (and the prompt logprobs not yet sent); the caller sets a finish reason."""
+    """New tokens with their logprobs (and the prompt logprobs not yet sent); the caller
+    sets a finish reason."""
     if not request.timestamps.first_token:
         request.timestamps.first_token = time.time()
-    logprobs = sampled.logprobs
     if len(logprobs) > len(new_token_ids):
         logprobs = logprobs[: len(new_token_ids)]
     output = EngineCoreOutput(

@@ -40,8 +40,8 @@ from scheduler_service.step_budget import StepBudget
 from scheduler_service.step_plan import StepPlan
 from services.config import SchedulerConfig
 from services.iteration_tokens import TokenHistogram
-from services.step_types import ModelRunnerOutput, SampledTokens, SchedulerOutput, SchedulerStats
-from services.types import EngineCoreOutput
+from services.step_types import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from services.types import EngineCoreOutput, TokenLogprobs
 
 _RECENT = 256  # samples kept for the medians in stats()
 _RUNNING = RequestStatus.RUNNING  # module constants: enum attribute lookups cost in hot loops
@@ -77,6 +77,7 @@ class Scheduler(SpeculativeScheduling):
         self._finished_ids: list[str] = []  # to report in the next step
         self._preempted_ids: list[str] = []
         self._pooled: dict[str, bytes] = {}  # vectors of the step being committed, by request
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}  # and its sampled tokens' logprobs
         self._step_id = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -284,7 +285,9 @@ class Scheduler(SpeculativeScheduling):
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Commit a finished step: progress, sampled tokens, stops; returns the updates to publish."""
-        sampled = dict(zip(runner_output.req_ids, runner_output.sampled, strict=False))
+        sampled = runner_output.sampled_by_request()
+        if runner_output.sampled_logprobs or self._logprobs:
+            self._logprobs = {s.request_id: s.logprobs for s in runner_output.sampled_logprobs}
         if runner_output.pooler_output or self._pooled:
             self._pooled = {p.request_id: p.data for p in runner_output.pooler_output}
         prompt_lps = {lp.request_id: lp.logprobs for lp in runner_output.prompt_logprobs}
@@ -321,7 +324,7 @@ class Scheduler(SpeculativeScheduling):
         return outputs
 
     def _commit(
-        self, request: Request, num_tokens: int, sampled: SampledTokens | None
+        self, request: Request, num_tokens: int, sampled: list[int] | None
     ) -> EngineCoreOutput | None:
         request.num_inflight_tokens -= num_tokens
         request.num_computed_tokens += num_tokens
@@ -332,12 +335,12 @@ class Scheduler(SpeculativeScheduling):
         if request.num_computed_tokens < request.num_tokens:
             return None  # inside a prefill: a token sampled here is discarded
         request.num_output_placeholders -= 1
-        if sampled is None or not sampled.token_ids:
+        if not sampled:
             if request.pooling_params is not None:
                 return self._pooled_output(request)
             return self._fail(request, "the worker returned no token for a completed prefill")
-        new_token_ids, status = self._append_until_stop(request, sampled.token_ids)
-        return self._token_output(request, new_token_ids, sampled, status)
+        new_token_ids, status = self._append_until_stop(request, sampled)
+        return self._token_output(request, new_token_ids, status)
 
     def _append_until_stop(
         self, request: Request, token_ids: list[int]
@@ -348,10 +351,10 @@ class Scheduler(SpeculativeScheduling):
         self,
         request: Request,
         new_token_ids: list[int],
-        sampled: SampledTokens,
         status: RequestStatus | None,
     ) -> EngineCoreOutput:
-        output = token_output(request, new_token_ids, sampled)
+        logprobs = self._logprobs.get(request.request_id, []) if self._logprobs else []
+        output = token_output(request, new_token_ids, logprobs)
         if status is not None:
             self._finish(request, status)
             output.finish_reason = request.status.finish_reason

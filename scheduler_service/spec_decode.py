@@ -18,7 +18,7 @@ from scheduler_service.block_pool import KVCacheBlock
 from scheduler_service.kv_cache_manager import KVCacheManager
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.step_plan import StepPlan
-from services.step_types import ModelRunnerOutput, SampledTokens
+from services.step_types import ModelRunnerOutput
 from services.types import EngineCoreOutput
 
 _RUNNING = RequestStatus.RUNNING
@@ -83,7 +83,6 @@ class SpeculativeScheduling:
             self,
             request: Request,
             new_token_ids: list[int],
-            sampled: SampledTokens,
             status: RequestStatus | None,
         ) -> EngineCoreOutput: ...
 
@@ -113,23 +112,23 @@ class SpeculativeScheduling:
         return self.kv.allocate_slots(request, num_new + extra, hits)
 
     def _commit_drafts(
-        self, request: Request, num_tokens: int, sampled: SampledTokens | None, num_drafts: int
+        self, request: Request, num_tokens: int, sampled: list[int] | None, num_drafts: int
     ) -> EngineCoreOutput | None:
         """Commit a decode that verified `num_drafts` drafts: only the KV of the accepted
         ones counts as computed (the rejected slots are rolled back)."""
         request.num_inflight_tokens -= num_tokens
-        rejected = num_rejected(num_drafts, len(sampled.token_ids) if sampled else 0)
+        rejected = num_rejected(num_drafts, len(sampled) if sampled else 0)
         if sampled is None or rejected is None:
             return self._fail(request, "the worker returned a wrong token count for drafts")
         self.spec_stats.observe(num_drafts, num_drafts - rejected)
         request.num_computed_tokens += num_tokens - rejected
         request.num_output_placeholders -= 1
-        new_token_ids, status = self._append_until_stop(request, sampled.token_ids)
+        new_token_ids, status = self._append_until_stop(request, sampled)
         if status is None and request.num_computed_tokens // self.block_size > (
             request.num_hashed_blocks
         ):
             self.kv.cache_computed_blocks(request)  # its token ids are known now
-        return self._token_output(request, new_token_ids, sampled, status)
+        return self._token_output(request, new_token_ids, status)
 
     def _keep_drafts(self, runner_output: ModelRunnerOutput) -> None:
         """Remember the drafts proposed for requests still running, for the next schedule()."""

@@ -50,13 +50,13 @@ class StepPlan:
         self, step_id: int, finished_ids: list[str], preempted_ids: list[str]
     ) -> SchedulerOutput:
         """The wire form: new requests in full, known ones as deltas."""
+        cached = CachedRequestData()
+        for r, ids in self.cached:
+            cached.add(r.request_id, r.num_computed_tokens + r.num_inflight_tokens, ids)
         return SchedulerOutput(
             step_id=step_id,
             scheduled_new_reqs=[self._new_data(r) for r in self.new],
-            scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, ids, r.num_computed_tokens + r.num_inflight_tokens)
-                for r, ids in self.cached
-            ],
+            scheduled_cached_reqs=cached,
             num_scheduled_tokens=self.num_scheduled,
             total_num_scheduled_tokens=sum(self.num_scheduled.values()),
             finished_req_ids=finished_ids,

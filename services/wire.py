@@ -286,14 +286,17 @@ class NewRequestData:
 
 
 @dataclass(slots=True)
-class CachedRequestData:
-    """What changed for a request the worker already holds.
+class CachedRequestData(rules.CachedRequestDataRules):
+    """What changed for the requests the worker already holds, one column per field: entry i of
+    req_ids, num_computed_tokens and num_new_blocks describe the same request (columns, not a
+    message per request: a step of 256 decodes converts in a few list copies).
 
     tessera.v1.CachedRequestData in protos/worker.proto."""
 
-    request_id: str
+    req_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -314,7 +317,7 @@ class SchedulerOutput:
 
     step_id: int = 0
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = field(default_factory=list)
@@ -324,12 +327,12 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class SampledTokens:
-    """Tokens sampled for one request in one step.
+class SampledLogprobs:
+    """Logprobs of the tokens one request sampled in one step.
 
-    tessera.v1.SampledTokens in protos/worker.proto."""
+    tessera.v1.SampledLogprobs in protos/worker.proto."""
 
-    token_ids: list[int] = field(default_factory=list)
+    request_id: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -367,14 +370,16 @@ class PooledOutput:
 
 
 @dataclass(slots=True)
-class ModelRunnerOutput:
+class ModelRunnerOutput(rules.ModelRunnerOutputRules):
     """The result of one step.
 
     tessera.v1.ModelRunnerOutput in protos/worker.proto."""
 
     step_id: int = 0
     req_ids: list[str] = field(default_factory=list)
-    sampled: list[SampledTokens] = field(default_factory=list)
+    num_sampled: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    sampled_logprobs: list[SampledLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     timings: WorkerTimings = field(default_factory=WorkerTimings)
     request_errors: dict[str, str] = field(default_factory=dict)
@@ -837,17 +842,22 @@ def _read_new_request_data(msg: worker_pb2.NewRequestData) -> NewRequestData:
 
 
 def _fill_cached_request_data(msg: worker_pb2.CachedRequestData, obj: CachedRequestData) -> None:
-    msg.request_id = obj.request_id
+    if obj.req_ids:
+        msg.req_ids.extend(obj.req_ids)
+    if obj.num_computed_tokens:
+        msg.num_computed_tokens.extend(obj.num_computed_tokens)
+    if obj.num_new_blocks:
+        msg.num_new_blocks.extend(obj.num_new_blocks)
     if obj.new_block_ids:
         msg.new_block_ids.extend(obj.new_block_ids)
-    msg.num_computed_tokens = obj.num_computed_tokens
 
 
 def _read_cached_request_data(msg: worker_pb2.CachedRequestData) -> CachedRequestData:
     return CachedRequestData(  # the fields in order
-        msg.request_id,
+        msg.req_ids[:],
+        msg.num_computed_tokens[:],
+        msg.num_new_blocks[:],
         msg.new_block_ids[:],
-        msg.num_computed_tokens,
     )
 
 
@@ -868,8 +878,7 @@ def _fill_scheduler_output(msg: worker_pb2.SchedulerOutput, obj: SchedulerOutput
     msg.step_id = obj.step_id
     if obj.scheduled_new_reqs:
         _fill_each(msg.scheduled_new_reqs, obj.scheduled_new_reqs, _fill_new_request_data)
-    if obj.scheduled_cached_reqs:
-        _fill_each(msg.scheduled_cached_reqs, obj.scheduled_cached_reqs, _fill_cached_request_data)
+    _fill_cached_request_data(msg.scheduled_cached_reqs, obj.scheduled_cached_reqs)
     if obj.num_scheduled_tokens:
         msg.num_scheduled_tokens.update(obj.num_scheduled_tokens)
     msg.total_num_scheduled_tokens = obj.total_num_scheduled_tokens
@@ -889,9 +898,7 @@ def _read_scheduler_output(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
     return SchedulerOutput(  # the fields in order
         msg.step_id,
         list(map(_read_new_request_data, msg.scheduled_new_reqs)) if msg.scheduled_new_reqs else [],
-        list(map(_read_cached_request_data, msg.scheduled_cached_reqs))
-        if msg.scheduled_cached_reqs
-        else [],
+        _read_cached_request_data(msg.scheduled_cached_reqs),
         dict(msg.num_scheduled_tokens),
         msg.total_num_scheduled_tokens,
         msg.finished_req_ids[:],
@@ -903,16 +910,15 @@ def _read_scheduler_output(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
     )
 
 
-def _fill_sampled_tokens(msg: worker_pb2.SampledTokens, obj: SampledTokens) -> None:
-    if obj.token_ids:
-        msg.token_ids.extend(obj.token_ids)
+def _fill_sampled_logprobs(msg: worker_pb2.SampledLogprobs, obj: SampledLogprobs) -> None:
+    msg.request_id = obj.request_id
     if obj.logprobs:
         _fill_each(msg.logprobs, obj.logprobs, _fill_token_logprobs)
 
 
-def _read_sampled_tokens(msg: worker_pb2.SampledTokens) -> SampledTokens:
-    return SampledTokens(  # the fields in order
-        msg.token_ids[:],
+def _read_sampled_logprobs(msg: worker_pb2.SampledLogprobs) -> SampledLogprobs:
+    return SampledLogprobs(  # the fields in order
+        msg.request_id,
         list(map(_read_token_logprobs, msg.logprobs)) if msg.logprobs else [],
     )
 
@@ -964,8 +970,12 @@ def _fill_model_runner_output(msg: worker_pb2.ModelRunnerOutput, obj: ModelRunne
     msg.step_id = obj.step_id
     if obj.req_ids:
         msg.req_ids.extend(obj.req_ids)
-    if obj.sampled:
-        _fill_each(msg.sampled, obj.sampled, _fill_sampled_tokens)
+    if obj.num_sampled:
+        msg.num_sampled.extend(obj.num_sampled)
+    if obj.sampled_token_ids:
+        msg.sampled_token_ids.extend(obj.sampled_token_ids)
+    if obj.sampled_logprobs:
+        _fill_each(msg.sampled_logprobs, obj.sampled_logprobs, _fill_sampled_logprobs)
     if obj.prompt_logprobs:
         _fill_each(msg.prompt_logprobs, obj.prompt_logprobs, _fill_prompt_logprobs)
     _fill_worker_timings(msg.timings, obj.timings)
@@ -982,7 +992,9 @@ def _read_model_runner_output(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerO
     return ModelRunnerOutput(  # the fields in order
         msg.step_id,
         msg.req_ids[:],
-        list(map(_read_sampled_tokens, msg.sampled)) if msg.sampled else [],
+        msg.num_sampled[:],
+        msg.sampled_token_ids[:],
+        list(map(_read_sampled_logprobs, msg.sampled_logprobs)) if msg.sampled_logprobs else [],
         list(map(_read_prompt_logprobs, msg.prompt_logprobs)) if msg.prompt_logprobs else [],
         _read_worker_timings(msg.timings),
         dict(msg.request_errors),
@@ -1069,7 +1081,7 @@ MESSAGES: dict[type, type[Message]] = {
     CachedRequestData: worker_pb2.CachedRequestData,
     DraftTokens: worker_pb2.DraftTokens,
     SchedulerOutput: worker_pb2.SchedulerOutput,
-    SampledTokens: worker_pb2.SampledTokens,
+    SampledLogprobs: worker_pb2.SampledLogprobs,
     PromptLogprobs: worker_pb2.PromptLogprobs,
     WorkerTimings: worker_pb2.WorkerTimings,
     PooledOutput: worker_pb2.PooledOutput,
@@ -1096,7 +1108,7 @@ FILL: dict[type, Callable[[Any, Any], None]] = {
     CachedRequestData: _fill_cached_request_data,
     DraftTokens: _fill_draft_tokens,
     SchedulerOutput: _fill_scheduler_output,
-    SampledTokens: _fill_sampled_tokens,
+    SampledLogprobs: _fill_sampled_logprobs,
     PromptLogprobs: _fill_prompt_logprobs,
     WorkerTimings: _fill_worker_timings,
     PooledOutput: _fill_pooled_output,
@@ -1123,7 +1135,7 @@ READ: dict[type, Callable[[Any], Any]] = {
     CachedRequestData: _read_cached_request_data,
     DraftTokens: _read_draft_tokens,
     SchedulerOutput: _read_scheduler_output,
-    SampledTokens: _read_sampled_tokens,
+    SampledLogprobs: _read_sampled_logprobs,
     PromptLogprobs: _read_prompt_logprobs,
     WorkerTimings: _read_worker_timings,
     PooledOutput: _read_pooled_output,

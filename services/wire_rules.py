@@ -9,7 +9,8 @@ which only tells mypy what `self` is.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Self, cast
 
 if TYPE_CHECKING:
     from services import wire
@@ -116,6 +117,57 @@ class TokenLogprobsRules:
         ):
             out.setdefault(token_id, (logprob, rank))
         return out
+
+
+class CachedRequestDataRules:
+    """vLLM V1's columnar CachedRequestData: one entry per request in each list."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, rows: Iterable[tuple[str, int, list[int]]]) -> Self:
+        """Built from `rows()`'s tuples: (request id, tokens computed, blocks appended)."""
+        cached = cls()
+        for row in rows:
+            cached.add(*row)
+        return cached
+
+    def add(self, request_id: str, num_computed_tokens: int, new_block_ids: list[int]) -> None:
+        c = cast("wire.CachedRequestData", self)
+        c.req_ids.append(request_id)
+        c.num_computed_tokens.append(num_computed_tokens)
+        c.num_new_blocks.append(len(new_block_ids))
+        c.new_block_ids.extend(new_block_ids)
+
+    def rows(self) -> Iterator[tuple[str, int, list[int]]]:
+        """(request id, tokens computed before this step, blocks appended) per request."""
+        c = cast("wire.CachedRequestData", self)
+        end = 0
+        for request_id, computed, n in zip(
+            c.req_ids, c.num_computed_tokens, c.num_new_blocks, strict=True
+        ):
+            yield request_id, computed, c.new_block_ids[end : end + n]
+            end += n
+
+
+class ModelRunnerOutputRules:
+    __slots__ = ()
+
+    def set_sampled(self, req_ids: list[str], tokens: list[list[int]]) -> None:
+        """The step's requests and the tokens each sampled (empty: none)."""
+        out = cast("wire.ModelRunnerOutput", self)
+        out.req_ids = req_ids
+        out.num_sampled = [len(t) for t in tokens]
+        out.sampled_token_ids = [t for one in tokens for t in one]
+
+    def sampled_by_request(self) -> dict[str, list[int]]:
+        """{request id: the tokens it sampled this step (empty: none)} for the step's requests."""
+        out = cast("wire.ModelRunnerOutput", self)
+        tokens, result, end = out.sampled_token_ids, {}, 0
+        for request_id, n in zip(out.req_ids, out.num_sampled, strict=True):
+            result[request_id] = tokens[end : end + n]
+            end += n
+        return result
 
 
 class EngineCoreOutputRules:

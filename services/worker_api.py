@@ -39,7 +39,7 @@ class WorkerProtocol(Protocol):
         [num_computed_tokens, num_computed_tokens + num_scheduled) of its token
         list (prompt + outputs). It samples a token only when that range reaches
         the end of the list (otherwise the request is mid-prefill and its
-        SampledTokens is empty), and appends the sampled token to its own copy.
+        num_sampled entry is 0), and appends the sampled token to its own copy.
         Requests in finished_req_ids / preempted_req_ids are dropped first; a
         resumed request comes back as new data with its output tokens.
         Failures that belong to one request go to request_errors; a failure of

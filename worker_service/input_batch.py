@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.step_types import CachedRequestData, NewRequestData
+from services.step_types import NewRequestData
 from services.types import LoRARequest, PoolingParams, SamplingParams
 from worker_service.attention.base import AttentionMetadata
 
@@ -114,18 +114,16 @@ class InputBatch:
         self.requests[new.request_id] = state
         return state
 
-    def update(self, cached: CachedRequestData) -> None:
+    def update(self, req_id: str, num_computed: int, new_block_ids: list[int]) -> None:
         """Apply a step's delta: new blocks appended, the computed count replaced."""
-        state = self.requests.get(cached.request_id)
+        state = self.requests.get(req_id)
         if state is None:
-            raise ValueError(f"cached request {cached.request_id!r} is unknown to this worker")
-        end = state.num_blocks + len(cached.new_block_ids)
+            raise ValueError(f"cached request {req_id!r} is unknown to this worker")
+        end = state.num_blocks + len(new_block_ids)
         if end > self.max_blocks:
-            raise ValueError(
-                f"request {cached.request_id!r} has more blocks than max_model_len allows"
-            )
-        self.block_table[state.row, state.num_blocks : end] = cached.new_block_ids
-        state.num_blocks, state.num_computed = end, cached.num_computed_tokens
+            raise ValueError(f"request {req_id!r} has more blocks than max_model_len allows")
+        self.block_table[state.row, state.num_blocks : end] = new_block_ids
+        state.num_blocks, state.num_computed = end, num_computed
 
     def remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

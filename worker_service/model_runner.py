@@ -24,7 +24,7 @@ from services.step_types import (
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobs,
-    SampledTokens,
+    SampledLogprobs,
     SchedulerOutput,
     WorkerTimings,
 )
@@ -250,11 +250,11 @@ class ModelRunner:
             except ValueError as exc:
                 errors[new.request_id] = str(exc)
                 self.input_batch.remove(new.request_id)
-        for cached in so.scheduled_cached_reqs:
+        for req_id, num_computed, new_block_ids in so.scheduled_cached_reqs.rows():
             try:
-                self.input_batch.update(cached)
+                self.input_batch.update(req_id, num_computed, new_block_ids)
             except ValueError as exc:
-                errors[cached.request_id] = str(exc)
+                errors[req_id] = str(exc)
         return errors
 
     def _set_drafts(self, so: SchedulerOutput, errors: dict[str, str]) -> bool:
@@ -319,19 +319,19 @@ class ModelRunner:
     def _sample_into(
         self, out: ModelRunnerOutput, step: StepBatch, hidden: torch.Tensor
     ) -> list[tuple[RequestState, int]]:
-        """Sample the rows that reached the end of their token list; fill out.req_ids/sampled.
-        Returns the requests that verified drafts, with how many they rejected."""
-        out.req_ids = step.req_ids
-        out.sampled = [SampledTokens() for _ in step.req_ids]
-        if not step.sample_reqs or step.logits_indices is None:
-            return []
-        states = [step.states[i] for i in step.sample_reqs]
-        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-        if step.num_logits is not None:
-            return self._verify_into(out, step, states, logits)
-        for i, sampled in zip(step.sample_reqs, self._sample(states, logits, out), strict=True):
-            out.sampled[i] = sampled
-        return []
+        """Sample the rows that reached the end of their token list; fill out's sampled
+        columns. Returns the requests that verified drafts, with how many they rejected."""
+        tokens: list[list[int]] = [[] for _ in step.req_ids]  # sampled, per request of the step
+        rejected: list[tuple[RequestState, int]] = []
+        if step.sample_reqs and step.logits_indices is not None:
+            states = [step.states[i] for i in step.sample_reqs]
+            logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+            if step.num_logits is not None:
+                rejected = self._verify_into(out, step, states, logits, tokens)
+            else:
+                self._sample(states, logits, out, step.sample_reqs, tokens)
+        out.set_sampled(step.req_ids, tokens)
+        return rejected
 
     def _verify_into(
         self,
@@ -339,6 +339,7 @@ class ModelRunner:
         step: StepBatch,
         states: list[RequestState],
         logits: torch.Tensor,  # [sum(num_logits), V]
+        tokens: list[list[int]],
     ) -> list[tuple[RequestState, int]]:
         """A step with drafts: plain rows sample as usual, draft rows go through the
         rejection sampler; accepted tokens are appended to the token table."""
@@ -347,9 +348,10 @@ class ModelRunner:
         plain = [j for j, s in enumerate(states) if s.num_drafts == 0]
         if plain:
             rows = torch.from_numpy(ends[plain] - 1).to(self.device)
-            sampled = self._sample([states[j] for j in plain], logits.index_select(0, rows), out)
-            for j, one in zip(plain, sampled, strict=True):
-                out.sampled[step.sample_reqs[j]] = one
+            where = [step.sample_reqs[j] for j in plain]
+            self._sample(
+                [states[j] for j in plain], logits.index_select(0, rows), out, where, tokens
+            )
         spec = [j for j, s in enumerate(states) if s.num_drafts > 0]
         if not spec:
             return []
@@ -358,11 +360,11 @@ class ModelRunner:
         ).to(self.device)
         accepted = self._verify([states[j] for j in spec], logits.index_select(0, rows))
         rejected = []
-        for j, tokens in zip(spec, accepted, strict=True):
+        for j, accepted_tokens in zip(spec, accepted, strict=True):
             state = states[j]
-            out.sampled[step.sample_reqs[j]] = SampledTokens(tokens)
-            self.input_batch.extend_tokens(state, tokens)
-            rejected.append((state, state.num_drafts + 1 - len(tokens)))
+            tokens[step.sample_reqs[j]] = accepted_tokens
+            self.input_batch.extend_tokens(state, accepted_tokens)
+            rejected.append((state, state.num_drafts + 1 - len(accepted_tokens)))
         return rejected
 
     def _verify(self, states: list[RequestState], logits: torch.Tensor) -> list[list[int]]:
@@ -375,9 +377,14 @@ class ModelRunner:
         return rejection_sample(logits, batch, drafts, self.sampler.generator)
 
     def _sample(
-        self, states: list[RequestState], logits: torch.Tensor, out: ModelRunnerOutput
-    ) -> list[SampledTokens]:
-        """One token per row of logits [len(states), V]; appended to the token table."""
+        self,
+        states: list[RequestState],
+        logits: torch.Tensor,  # [len(states), V]
+        out: ModelRunnerOutput,
+        where: list[int],  # each state's index in the step's requests
+        tokens: list[list[int]],  # filled at `where`
+    ) -> None:
+        """One token per row of logits, appended to the token table; logprobs into `out`."""
         eos = self.model.config.eos_token_ids
         batch = build_sampling_batch(states, self.input_batch, eos, self.device)
         grammar = self.structured.bitmask(states)
@@ -385,15 +392,20 @@ class ModelRunner:
             rows, mask = grammar
             batch.allowed = (torch.tensor(rows, device=self.device), mask.to(self.device))
         result = self.sampler(logits, batch)
-        tokens = result.token_ids.tolist()
+        sampled = result.token_ids.tolist()
         if grammar is not None:
-            out.request_errors.update(self.structured.accept(states, tokens))
+            out.request_errors.update(self.structured.accept(states, sampled))
+        self.input_batch.append_tokens(states, sampled)
+        for i, token in zip(where, sampled, strict=True):
+            tokens[i] = [token]
+        if result.logprobs is None:
+            return
         logprobs = to_token_logprobs(result, [s.params.logprobs for s in states])
-        self.input_batch.append_tokens(states, tokens)
-        return [
-            SampledTokens([token], [lp] if lp is not None else [])
-            for token, lp in zip(tokens, logprobs, strict=True)
-        ]
+        out.sampled_logprobs.extend(
+            SampledLogprobs(s.req_id, [lp])
+            for s, lp in zip(states, logprobs, strict=True)
+            if lp is not None
+        )
 
     def _prompt_logprobs(self, step: StepBatch, hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Logprobs of the prompt tokens this step's chunk predicts, for requests that asked."""

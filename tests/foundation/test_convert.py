@@ -18,7 +18,7 @@ from services.step_types import (
     NewRequestData,
     PooledOutput,
     PromptLogprobs,
-    SampledTokens,
+    SampledLogprobs,
     SchedulerOutput,
     SchedulerStats,
     ServerInfo,
@@ -131,9 +131,12 @@ CASES: list[Any] = [
                 lora_request=LORA,
             )
         ],
-        scheduled_cached_reqs=[
-            CachedRequestData(request_id="b", new_block_ids=[6], num_computed_tokens=17)
-        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["b", "f"],
+            num_computed_tokens=[17, 30],
+            num_new_blocks=[1, 2],
+            new_block_ids=[6, 12, 13],
+        ),
         num_scheduled_tokens={"a": 3, "b": 1},
         total_num_scheduled_tokens=4,
         finished_req_ids=["c"],
@@ -144,7 +147,9 @@ CASES: list[Any] = [
     ModelRunnerOutput(
         step_id=9,
         req_ids=["a", "b"],
-        sampled=[SampledTokens(token_ids=[8], logprobs=[LOGPROBS]), SampledTokens([9], [LOGPROBS])],
+        num_sampled=[1, 2],
+        sampled_token_ids=[8, 9, 10],
+        sampled_logprobs=[SampledLogprobs(request_id="b", logprobs=[LOGPROBS, LOGPROBS])],
         prompt_logprobs=[PromptLogprobs(request_id="a", start=1, logprobs=[LOGPROBS])],
         timings=WorkerTimings(prepare_ms=0.5, forward_ms=10.25, sample_ms=0.75, total_ms=11.5),
         request_errors={"e": "bad logit_bias"},

@@ -19,7 +19,7 @@ from services.step_types import (
     KVCacheSpec,
     ModelInfo,
     ModelRunnerOutput,
-    SampledTokens,
+    SampledLogprobs,
     SchedulerOutput,
 )
 from services.types import TokenLogprobs
@@ -112,6 +112,7 @@ class FakeWorker:
             self.raise_on_step(scheduler_output)
         self._apply_request_changes(scheduler_output)
         output = ModelRunnerOutput(step_id=scheduler_output.step_id)
+        sampled: list[list[int]] = []
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             if request_id in self.fail_requests or request_id in self.errored:
                 error = self.fail_requests.get(request_id, "dropped after an error")
@@ -120,7 +121,11 @@ class FakeWorker:
                 self.errored.add(request_id)  # a step sent ahead may still name it
                 continue
             output.req_ids.append(request_id)
-            output.sampled.append(self._compute(request_id, num_tokens))
+            sampled.append(self._compute(request_id, num_tokens))
+            if sampled[-1]:
+                lp = TokenLogprobs(sampled[-1][0], -0.5, 1)
+                output.sampled_logprobs.append(SampledLogprobs(request_id, [lp]))
+        output.set_sampled(output.req_ids, sampled)
         return output
 
     def _apply_request_changes(self, so: SchedulerOutput) -> None:
@@ -131,23 +136,23 @@ class FakeWorker:
             self.requests[new.request_id] = _ReqState(
                 tokens, list(new.block_ids), new.num_computed_tokens
             )
-        for cached in so.scheduled_cached_reqs:
-            if cached.request_id in self.errored:
+        for request_id, num_computed, new_block_ids in so.scheduled_cached_reqs.rows():
+            if request_id in self.errored:
                 continue
-            state = self.requests.get(cached.request_id)
-            _check(state is not None, f"delta for unknown request {cached.request_id}")
+            state = self.requests.get(request_id)
+            _check(state is not None, f"delta for unknown request {request_id}")
             assert state is not None
             _check(
-                cached.num_computed_tokens == state.num_computed,
-                f"{cached.request_id}: num_computed {cached.num_computed_tokens} != {state.num_computed}",
+                num_computed == state.num_computed,
+                f"{request_id}: num_computed {num_computed} != {state.num_computed}",
             )
-            state.block_ids.extend(cached.new_block_ids)
+            state.block_ids.extend(new_block_ids)
         _check(
             so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values()),
             "total_num_scheduled_tokens",
         )
 
-    def _compute(self, request_id: str, num_tokens: int) -> SampledTokens:
+    def _compute(self, request_id: str, num_tokens: int) -> list[int]:
         state = self.requests.get(request_id)
         _check(state is not None, f"scheduled unknown request {request_id}")
         assert state is not None
@@ -162,10 +167,10 @@ class FakeWorker:
             self.slots[self._slot(state, p)] = state.fingerprint(p)
         state.num_computed = end
         if end < len(state.tokens):
-            return SampledTokens()
+            return []
         token = (state.tokens[-1] + 1) % self.vocab_size
         state.tokens.append(token)
-        return SampledTokens([token], [TokenLogprobs(token, -0.5, 1)])
+        return [token]
 
     def _slot(self, state: _ReqState, position: int) -> int:
         block_id = state.block_ids[position // self.block_size]

@@ -73,7 +73,7 @@ def test_decode_requests_are_scheduled_every_step_without_waiting_for_their_toke
     # prefill + 5 decodes, each scheduled while the previous step was in flight; no extra step
     scheduled = [s for s in worker.steps if "a" in s.num_scheduled_tokens]
     assert len(scheduled) == 6
-    assert [s.scheduled_cached_reqs[0].num_computed_tokens for s in scheduled[1:]] == [
+    assert [s.scheduled_cached_reqs.num_computed_tokens[0] for s in scheduled[1:]] == [
         3,
         4,
         5,

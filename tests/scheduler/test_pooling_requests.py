@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from scheduler_service.request import Request
 from scheduler_service.scheduler import Scheduler
-from services.step_types import ModelRunnerOutput, PooledOutput, SampledTokens, SchedulerOutput
+from services.step_types import ModelRunnerOutput, PooledOutput, SchedulerOutput
 from services.types import EngineCoreOutput, FinishReason, PoolingParams, SamplingParams
 from tests.scheduler.helpers import make_request, make_scheduler
 
@@ -22,15 +22,17 @@ def _step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[EngineCoreOutput]
     reached its end, a vector for each embedding request that did."""
     so = scheduler.schedule()
     req_ids = list(so.num_scheduled_tokens)
-    out = ModelRunnerOutput(so.step_id, req_ids, [SampledTokens() for _ in req_ids])
+    out = ModelRunnerOutput(so.step_id)
+    tokens: list[list[int]] = [[] for _ in req_ids]
     for i, rid in enumerate(req_ids):
         request = scheduler.requests[rid]
         if request.num_computed_tokens + request.num_inflight_tokens < request.num_tokens:
             continue
         if request.pooling_params is None:
-            out.sampled[i] = SampledTokens([7])
+            tokens[i] = [7]
         else:
             out.pooler_output.append(PooledOutput(rid, VECTOR))
+    out.set_sampled(req_ids, tokens)
     return so, scheduler.update_from_output(so, out)
 
 
@@ -83,7 +85,7 @@ def test_a_missing_vector_fails_the_request() -> None:
     scheduler, _ = make_scheduler()
     scheduler.add_request(_pooling("e", [1, 2, 3]))
     so = scheduler.schedule()
-    out = ModelRunnerOutput(so.step_id, ["e"], [SampledTokens()])
+    out = ModelRunnerOutput(so.step_id, ["e"], num_sampled=[0])
     (output,) = scheduler.update_from_output(so, out)
     assert output.finish_reason == FinishReason.ERROR and "no vector" in output.error
     assert scheduler.kv.pool.num_used_blocks == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scheduler_service.request import RequestStatus
-from services.step_types import ModelRunnerOutput, SampledTokens
+from services.step_types import ModelRunnerOutput
 from services.types import FinishReason
 from tests.scheduler.helpers import (
     expected_tokens,
@@ -33,7 +33,7 @@ def test_reference_step_budget_6() -> None:
 
     assert out.num_scheduled_tokens == {"B": 1, "A": 4, "C": 1}
     assert out.total_num_scheduled_tokens == 6
-    assert [c.request_id for c in out.scheduled_cached_reqs] == ["B"]  # a delta only
+    assert out.scheduled_cached_reqs.req_ids == ["B"]  # a delta only
     new = {r.request_id: r for r in out.scheduled_new_reqs}
     assert new["A"].num_computed_tokens == 0 and len(new["A"].block_ids) == 1
     assert new["C"].num_computed_tokens == 8 and len(new["C"].block_ids) == 3
@@ -129,7 +129,7 @@ def test_token_sampled_inside_a_partial_prefill_is_discarded() -> None:
     request = make_request("r", list(range(10)))
     sched.add_request(request)
     out = sched.schedule()
-    bogus = ModelRunnerOutput(out.step_id, ["r"], [SampledTokens([999])])
+    bogus = ModelRunnerOutput(out.step_id, ["r"], num_sampled=[1], sampled_token_ids=[999])
     assert sched.update_from_output(out, bogus) == []
     assert request.num_tokens == 10 and request.num_computed_tokens == 4
 

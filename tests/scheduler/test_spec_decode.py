@@ -7,7 +7,7 @@ import pytest
 from scheduler_service.request import RequestStatus
 from scheduler_service.scheduler import Scheduler
 from services.config import SchedulerConfig, SpeculativeConfig
-from services.step_types import DraftTokens, ModelRunnerOutput, SampledTokens, SchedulerOutput
+from services.step_types import DraftTokens, ModelRunnerOutput, SchedulerOutput
 from services.types import FinishReason
 from tests.scheduler.helpers import make_request
 
@@ -21,12 +21,11 @@ def _scheduler(spec: SpeculativeConfig | None = SPEC, budget: int = 64) -> Sched
 
 def _output(so: SchedulerOutput, tokens: dict[str, list[int]], drafts: dict[str, list[int]]):
     ids = list(so.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        so.step_id,
-        ids,
-        [SampledTokens(tokens.get(i, [])) for i in ids],
-        draft_token_ids=[DraftTokens(i, d) for i, d in drafts.items()],
+    out = ModelRunnerOutput(
+        so.step_id, draft_token_ids=[DraftTokens(i, d) for i, d in drafts.items()]
     )
+    out.set_sampled(ids, [tokens.get(i, []) for i in ids])
+    return out
 
 
 def _prefill(scheduler: Scheduler, max_tokens: int = 20) -> SchedulerOutput:
@@ -55,7 +54,7 @@ def test_drafts_are_scheduled_as_extra_tokens_and_rejected_ones_rolled_back() ->
     assert stats.spec_decode_num_accepted_tokens == 1
     so = scheduler.schedule()  # the new drafts, after the two tokens just committed
     assert so.num_scheduled_tokens == {"a": 3}
-    assert so.scheduled_cached_reqs[0].num_computed_tokens == 7
+    assert so.scheduled_cached_reqs.num_computed_tokens[0] == 7
 
 
 def test_drafts_are_cut_to_max_tokens_and_budget() -> None:

@@ -63,11 +63,13 @@ def served() -> Iterator[Served]:
 
 def prefill(step_id: int = 1) -> SchedulerOutput:
     new = NewRequestData("a", [1, 2, 3], block_ids=[0, 1])
-    return SchedulerOutput(step_id, [new], [], {"a": 3}, 3)
+    return SchedulerOutput(step_id, [new], CachedRequestData(), {"a": 3}, 3)
 
 
 def decode(step_id: int, num_computed: int) -> SchedulerOutput:
-    return SchedulerOutput(step_id, [], [CachedRequestData("a", [], num_computed)], {"a": 1}, 1)
+    return SchedulerOutput(
+        step_id, [], CachedRequestData.of([("a", num_computed, [])]), {"a": 1}, 1
+    )
 
 
 def test_steps_sent_ahead_come_back_in_order(served: Served) -> None:
@@ -79,9 +81,9 @@ def test_steps_sent_ahead_come_back_in_order(served: Served) -> None:
         assert time.perf_counter() - start < 0.02  # nothing waited for the worker
         outputs = [h.result() for h in handles]
         assert [o.step_id for o in outputs] == [1, 2, 3]
-        assert [o.sampled[0].token_ids for o in outputs] == [[4], [5], [6]]
+        assert [o.sampled_token_ids for o in outputs] == [[4], [5], [6]]
         assert [s.step_id for s in served.worker.steps] == [1, 2, 3]
-        assert client.execute_model(decode(4, 5)).sampled[0].token_ids == [7]  # same call
+        assert client.execute_model(decode(4, 5)).sampled_token_ids == [7]  # same call
     finally:
         client.close()
 
@@ -96,7 +98,7 @@ def test_a_failed_step_fails_alone_and_the_stream_goes_on(served: Served) -> Non
     try:
         first, failed = client.submit_model(prefill(1)), client.submit_model(decode(2, 3))
         after = client.submit_model(SchedulerOutput(3, finished_req_ids=["a"]))
-        assert first.result().sampled[0].token_ids == [4]
+        assert first.result().sampled_token_ids == [4]
         with pytest.raises(RuntimeError, match="INTERNAL: RuntimeError: kernel exploded"):
             failed.result()
         assert after.result().step_id == 3 and "a" not in served.worker.requests

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
+from services.step_types import NewRequestData, SchedulerOutput
 from services.types import SamplingParams
 from services.worker_api import WorkerProtocol
 
@@ -75,7 +75,7 @@ class MiniScheduler:
             so, scheduled = self._schedule()
             out = self.worker.execute_model(so)
             assert not out.request_errors, out.request_errors
-            self._update(scheduled, dict(zip(out.req_ids, out.sampled, strict=True)), done)
+            self._update(scheduled, out.sampled_by_request(), done)
         self.worker.execute_model(
             SchedulerOutput(self.stats.steps + 1, finished_req_ids=self.dropped)
         )
@@ -94,9 +94,7 @@ class MiniScheduler:
             new_blocks = self._grow(req, req.num_computed + n, so)
             if new_blocks is None:
                 continue  # req itself was preempted
-            so.scheduled_cached_reqs.append(
-                CachedRequestData(req.req_id, new_blocks, req.num_computed)
-            )
+            so.scheduled_cached_reqs.add(req.req_id, req.num_computed, new_blocks)
             scheduled.append((req, n))
             budget -= n
         while budget and self.waiting and self.waiting[0].arrival_step <= self.stats.steps:
@@ -207,7 +205,7 @@ class MiniScheduler:
     ) -> None:
         for req, n in scheduled:
             req.num_computed += n
-            tokens = sampled[req.req_id].token_ids
+            tokens = sampled[req.req_id]
             if req.num_computed < len(req.tokens):
                 assert not tokens, "sampled inside a prefill"
                 self.stats.chunked_steps += 1

@@ -63,7 +63,7 @@ def test_prompt_logprobs_match_hf(tiny_model: Path) -> None:
     worker = _worker(tiny_model)
     params = SamplingParams(temperature=0.0, prompt_logprobs=5, logprobs=5, max_tokens=4)
     new = NewRequestData("q", PROMPT, sampling_params=params, block_ids=list(range(3)))
-    out = worker.execute_model(SchedulerOutput(1, [new], [], {"q": 40}, 40))
+    out = worker.execute_model(SchedulerOutput(1, [new], CachedRequestData(), {"q": 40}, 40))
     ref = torch.log_softmax(hf_logits(tiny_model, PROMPT), dim=-1)  # [40, V]
     (plp,) = out.prompt_logprobs
     assert plp.start == 1 and len(plp.logprobs) == 39
@@ -73,8 +73,9 @@ def test_prompt_logprobs_match_hf(tiny_model: Path) -> None:
         top = ref[j].topk(5)
         assert entry.top_token_ids == top.indices.tolist()
         assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
-    (sampled,) = out.sampled
-    assert sampled.token_ids == [int(ref[-1].argmax())]
+    assert out.sampled_token_ids == [int(ref[-1].argmax())]
+    (sampled,) = out.sampled_logprobs
+    assert sampled.request_id == "q" and len(sampled.logprobs) == 1
     assert sampled.logprobs[0].logprob == pytest.approx(ref[-1].max().item(), abs=1e-4)
     assert sampled.logprobs[0].rank == 1
 
@@ -83,17 +84,15 @@ def test_chunked_prefill_and_decode_match_hf_generate(tiny_model: Path) -> None:
     worker = _worker(tiny_model)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     new = NewRequestData("g", PROMPT, sampling_params=params, block_ids=[5, 2])
-    out = worker.execute_model(SchedulerOutput(1, [new], [], {"g": 25}, 25))
-    assert out.sampled[0].token_ids == []  # mid-prefill
+    out = worker.execute_model(SchedulerOutput(1, [new], CachedRequestData(), {"g": 25}, 25))
+    assert out.req_ids == ["g"] and out.num_sampled == [0]  # mid-prefill
     out = worker.execute_model(
-        SchedulerOutput(2, [], [CachedRequestData("g", [9, 1], 25)], {"g": 15}, 15)
+        SchedulerOutput(2, [], CachedRequestData.of([("g", 25, [9, 1])]), {"g": 15}, 15)
     )
-    tokens = list(out.sampled[0].token_ids)
+    tokens = list(out.sampled_token_ids)
     for step in range(7):
-        cached = CachedRequestData("g", [], 40 + step)
-        tokens += (
-            worker.execute_model(SchedulerOutput(3 + step, [], [cached], {"g": 1}, 1))
-            .sampled[0]
-            .token_ids
-        )
+        cached = CachedRequestData.of([("g", 40 + step, [])])
+        tokens += worker.execute_model(
+            SchedulerOutput(3 + step, [], cached, {"g": 1}, 1)
+        ).sampled_token_ids
     assert tokens == hf_greedy(tiny_model, [PROMPT], 8, "float32")[0]

@@ -178,11 +178,13 @@ def _run(
     blocks = {rid: [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3] for k, rid in enumerate(reqs)}
     outs: dict[str, list[int]] = {rid: [] for rid in reqs}
     news = [NewRequestData(prefix + rid, prompt, [], p, blocks[rid]) for rid, p in reqs.items()]
-    so = SchedulerOutput(0, news, [], {prefix + r: 20 for r in reqs}, 20 * len(reqs))
+    so = SchedulerOutput(
+        0, news, CachedRequestData(), {prefix + r: 20 for r in reqs}, 20 * len(reqs)
+    )
     for step in range(steps):
         out = worker.execute_model(so)
-        for rid, s in zip(out.req_ids, out.sampled, strict=True):
-            outs[rid.removeprefix(prefix)] += s.token_ids
+        for rid, tokens in out.sampled_by_request().items():
+            outs[rid.removeprefix(prefix)] += tokens
         so = SchedulerOutput(step + 1, num_scheduled_tokens={prefix + r: 1 for r in reqs})
         for rid in reqs:
             if rid == "s" and step + 1 == resume_at:  # preempted: dropped, re-sent with outputs
@@ -199,9 +201,7 @@ def _run(
                 )
                 so.num_scheduled_tokens[prefix + rid] = 20 + len(outs[rid])
             else:
-                so.scheduled_cached_reqs.append(
-                    CachedRequestData(prefix + rid, [], 20 + len(outs[rid]) - 1)
-                )
+                so.scheduled_cached_reqs.add(prefix + rid, 20 + len(outs[rid]) - 1, [])
     worker.execute_model(SchedulerOutput(steps + 1, finished_req_ids=[prefix + r for r in reqs]))
     return outs
 

@@ -183,21 +183,26 @@ def _drive(
     """Prefill, then decode until EOS; drop and re-send the request at step `preempt_at`."""
     blocks = list(range(8))
     so = SchedulerOutput(
-        0, [NewRequestData(rid, prompt, [], params, blocks)], [], {rid: len(prompt)}
+        0,
+        [NewRequestData(rid, prompt, [], params, blocks)],
+        CachedRequestData(),
+        {rid: len(prompt)},
     )
     outs: list[int] = []
     for step in range(1, steps):
         out = worker.execute_model(so)
         assert not out.request_errors, out.request_errors
-        outs += out.sampled[0].token_ids
+        outs += out.sampled_token_ids
         if outs[-1] == 2:
             break
         if step == preempt_at:
             new = NewRequestData(rid, prompt, outs, params, blocks, resumed_from_preemption=True)
-            so = SchedulerOutput(step, [new], [], {rid: len(prompt) + len(outs)}, 0, [], [rid])
+            so = SchedulerOutput(
+                step, [new], CachedRequestData(), {rid: len(prompt) + len(outs)}, 0, [], [rid]
+            )
         else:
-            cached = CachedRequestData(rid, [], len(prompt) + len(outs) - 1)
-            so = SchedulerOutput(step, [], [cached], {rid: 1})
+            cached = CachedRequestData.of([(rid, len(prompt) + len(outs) - 1, [])])
+            so = SchedulerOutput(step, [], cached, {rid: 1})
     worker.execute_model(SchedulerOutput(steps + 1, finished_req_ids=[rid]))
     return outs
 
@@ -234,11 +239,13 @@ def test_bad_constraint_in_the_worker_fails_only_its_request(worker: Any, tokeni
         NewRequestData("free", prompt, [], SamplingParams(temperature=0), [8, 9, 10, 11]),
     ]
     n = len(prompt)
-    out = worker.execute_model(SchedulerOutput(0, news, [], {r.request_id: n for r in news}, 3 * n))
+    out = worker.execute_model(
+        SchedulerOutput(0, news, CachedRequestData(), {r.request_id: n for r in news}, 3 * n)
+    )
     assert set(out.request_errors) == {"bad"}
     assert "regex" in out.request_errors["bad"]
-    sampled = dict(zip(out.req_ids, out.sampled, strict=True))
-    first = tokenizer.decode(sampled["good"].token_ids)
+    sampled = out.sampled_by_request()
+    first = tokenizer.decode(sampled["good"])
     assert "yes".startswith(first) or "no".startswith(first)
-    assert sampled["free"].token_ids  # the unconstrained request ran in the same step
+    assert sampled["free"]  # the unconstrained request ran in the same step
     worker.execute_model(SchedulerOutput(1, finished_req_ids=["good", "free"]))

@@ -13,7 +13,7 @@ from scheduler_service.errors import WorkerUnavailableError
 from scheduler_service.worker_client import GrpcWorkerClient
 from services.grpc_utils import health_status, sync_channel
 from services.pb import worker_pb2, worker_pb2_grpc
-from services.step_types import NewRequestData, SchedulerOutput
+from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.worker.conftest import spawn_worker, stop_worker
 from tests.worker.test_qwen_models import _save_tiny
 
@@ -33,7 +33,9 @@ def _start(tiny_dir: Path) -> tuple[object, str]:
 
 
 def _step() -> SchedulerOutput:
-    return SchedulerOutput(1, [NewRequestData("a", [1, 2, 3], block_ids=[0])], [], {"a": 3}, 3)
+    return SchedulerOutput(
+        1, [NewRequestData("a", [1, 2, 3], block_ids=[0])], CachedRequestData(), {"a": 3}, 3
+    )
 
 
 def test_not_serving_until_the_kv_cache_exists_and_instance_ids_differ(tiny_dir: Path) -> None:
@@ -57,7 +59,7 @@ def test_not_serving_until_the_kv_cache_exists_and_instance_ids_differ(tiny_dir:
             client.initialize_cache(8)
             assert health_status(address) == SERVING
             out = client.execute_model(_step())
-            assert out.req_ids == ["a"] and len(out.sampled[0].token_ids) == 1
+            assert out.req_ids == ["a"] and len(out.sampled_token_ids) == 1
         finally:
             client.close()
             assert stop_worker(proc) == 0  # type: ignore[arg-type]

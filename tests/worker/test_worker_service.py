@@ -98,18 +98,20 @@ def test_request_errors_and_failed_step_keep_the_server_up(
     bad = NewRequestData(
         "bad", [1, 2], sampling_params=SamplingParams(logit_bias={999: 1.0}), block_ids=[1]
     )
-    out = client.execute_model(SchedulerOutput(1, [good, bad], [], {"ok": 3, "bad": 2}, 5))
-    assert out.req_ids == ["ok"] and len(out.sampled[0].token_ids) == 1
+    out = client.execute_model(
+        SchedulerOutput(1, [good, bad], CachedRequestData(), {"ok": 3, "bad": 2}, 5)
+    )
+    assert out.req_ids == ["ok"] and len(out.sampled_token_ids) == 1
     assert "logit_bias token id 999" in out.request_errors["bad"]
     broken = NewRequestData("oob", [1, 2], block_ids=[10_000])  # a block outside the pool
     with pytest.raises(RuntimeError, match="INTERNAL"):
-        client.execute_model(SchedulerOutput(2, [broken], [], {"oob": 2}, 2))
+        client.execute_model(SchedulerOutput(2, [broken], CachedRequestData(), {"oob": 2}, 2))
     out = client.execute_model(
         SchedulerOutput(
-            3, [], [CachedRequestData("ok", [], 3)], {"ok": 1}, 1, finished_req_ids=["oob"]
+            3, [], CachedRequestData.of([("ok", 3, [])]), {"ok": 1}, 1, finished_req_ids=["oob"]
         )
     )
-    assert out.req_ids == ["ok"] and len(out.sampled[0].token_ids) == 1
+    assert out.req_ids == ["ok"] and len(out.sampled_token_ids) == 1
     assert client.is_serving()
 
 
