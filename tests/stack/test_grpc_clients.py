@@ -127,15 +127,16 @@ def java_toolchain_missing(pom: Path) -> list[str]:
     return missing
 
 
-def test_java_client(stack: Stack) -> None:
+def test_java_client(request: pytest.FixtureRequest) -> None:
     client_dir = CLIENTS / "java"
     missing = java_toolchain_missing(client_dir / "pom.xml")
-    if missing:
+    if missing:  # checked before the stack starts
         pytest.skip(
             f"the Java example builds offline from Debian packages; missing: {', '.join(missing)}. "
             "`bash scripts/install_java_client.sh` (as root; `make test` runs it) installs them"
         )
-    build = subprocess.run(  # .mvn/maven.config lets -o read the file:// repository
+    stack: Stack = request.getfixturevalue("stack")
+    build = subprocess.run(  # .mvn/maven.config: -o reads file://, local repo target/m2
         ["mvn", "-o", "-q", "-B", "package"], cwd=client_dir, capture_output=True, text=True,
         timeout=600, check=False,
     )  # fmt: skip
