@@ -94,18 +94,21 @@ class Stack:
         return self.process.returncode
 
 
-def start_stack(*extra: str, timeout_s: float = 300) -> Stack:
-    """Start `tessera serve` with the default model and wait until /health is 200."""
+def start_stack(
+    *extra: str, timeout_s: float = 300, python: str = sys.executable, cwd: Path = REPO
+) -> Stack:
+    """Start `tessera serve` with the default model and wait until /health is 200 (`python`:
+    the interpreter whose install runs it; `cwd`: outside the repository to run a wheel's)."""
     ports = [free_port() for _ in range(4)]
     argv = [
-        sys.executable, "-m", "tessera", "serve",
+        python, "-m", "tessera", "serve",
         "--port", str(ports[0]), "--grpc-port", str(ports[1]),
         "--scheduler-port", str(ports[2]), "--worker-port", str(ports[3]),
         "--kv-cache-memory", "1GiB", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: INTERNAL_TOKEN}
     process = subprocess.Popen(
-        argv, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     stack = Stack(process, ports[0], ports[1], ports[2], ports[3])
     threading.Thread(target=_pump, args=(stack,), daemon=True).start()
