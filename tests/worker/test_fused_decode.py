@@ -39,7 +39,8 @@ def _worker(fused_rows: int, quantization: str = "none", **model: Any) -> Worker
 
 
 def _same_gemm_as_fused(worker: Worker) -> Worker:
-    """The layers' dense GEMMs on the fused step's kernel at <= 8 rows (Linear.small_gemm)."""
+    """The layers' dense GEMMs on the fused step's kernel at <= 8 rows (Linear.small_gemm;
+    on AMX CPUs both paths take the AMX GEMM already)."""
     ops = cpu_ops.load()
     assert ops is not None
     for module in worker.runner.model.modules():
@@ -148,9 +149,12 @@ def test_models_it_does_not_take(
 
 
 def test_rows_by_weight_format(pair: tuple[Worker, Worker]) -> None:
+    pair[0].initialize_cache(16)  # the pools it binds (every test's scheduler sets its own)
     model = pair[0].runner.model
     built = fused_decode.build(model, pair[0].runner.backend, -1)
-    assert built is not None and built.max_rows == fused_decode.DENSE_ROWS
+    amx = any(isinstance(m, Linear) and m.amx is not None for m in model.modules())
+    rows = cpu_ops.AMX_ROWS if amx else fused_decode.DENSE_ROWS  # AMX CPUs: on both paths
+    assert built is not None and built.max_rows == rows
 
 
 def _meta(query_lens: list[int], verify: list[int] | None = None) -> Any:

@@ -15,6 +15,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "amx_gemm.h"
 #include "bf16.h"
 #include "decode_layers.h"
 #include "elementwise.h"
@@ -50,6 +51,32 @@ void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint
 }  // namespace
 
 extern "C" {
+
+// Status 0 where this build has the AMX GEMM and the kernel lends this process the tiles;
+// 1: not in this build (below AVX512_BF16), 2: refused by the kernel.
+int tessera_amx_enable() {
+#if defined(__AVX512BF16__)
+  return amx_gemm::enable() ? 0 : 2;
+#else
+  return 1;
+#endif
+}
+
+// x, out [rows, K] and [rows, N] bf16; packed: w [N, K] bf16 in amx_gemm.h's tile layout;
+// bias [N] bf16 or null. Status 1: not in this build, 2: a shape it does not take.
+int tessera_gemm_amx(const void* x, const void* packed, const void* bias, void* out, int64_t rows,
+                     int64_t K, int64_t N, int num_threads) {
+#if defined(__AVX512BF16__)
+  using T = uint16_t;
+  return amx_gemm::gemm(static_cast<const T*>(x), static_cast<const T*>(packed),
+                        static_cast<const T*>(bias), static_cast<T*>(out), rows, K, N,
+                        num_threads)
+             ? 0
+             : 2;
+#else
+  return 1;
+#endif
+}
 
 // x, out [rows, K] and [rows, N] bf16; w [N, K] bf16; bias [N] bf16 or null.
 int tessera_gemm_bf16(const void* x, const void* w, const void* bias, void* out, int64_t rows,

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_gemm.h"
 #include "elementwise.h"
 #include "gguf_q8.h"
 #include "small_gemm.h"
@@ -28,12 +29,14 @@
 extern "C" {
 
 // One GEMM's weight: dense [N, K] in the model dtype (type -1) or GGUF blocks of ggml `type`
-// ([N, K / block values * block bytes]); bias [N] in the model dtype or null.
+// ([N, K / block values * block bytes]); bias [N] in the model dtype or null; amx: the dense
+// bf16 weight in amx_gemm.h's tile layout, taken instead of `weight` (or null).
 struct TesseraLinear {
   int64_t type;
   const void* weight;
   const void* bias;
   int64_t K, N;
+  const void* amx;
 };
 
 struct TesseraLayer {
@@ -78,9 +81,21 @@ template <typename T>
 constexpr int kDtype = std::is_same_v<T, float> ? 0 : 1;
 
 // out [rows, N] = x [rows, K] @ weight.T + bias. Status: 0 ok, else the GEMM's.
+// A step's dense bf16 GEMMs take AMX tiles where the layer has them (at every row count:
+// cpu_ops.AMX_ROWS).
+
 template <typename T>
 int linear(const TesseraLinear& l, const T* x, T* out, const Step& s) {
   const T* bias = static_cast<const T*>(l.bias);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (l.amx)
+      return amx_gemm::gemm(x, static_cast<const T*>(l.amx), bias, out, s.rows, l.K, l.N,
+                            s.num_threads)
+                 ? 0
+                 : 2;
+  }
+#endif
   if (l.type < 0) {
     const T* w = static_cast<const T*>(l.weight);
     return small_gemm::gemm(x, w, bias, out, s.rows, l.K, l.N, s.num_threads) ? 0 : 2;

@@ -25,7 +25,7 @@ from worker_service.attention import cpu_kernel
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.models.context import get_attention_metadata
-from worker_service.models.cpu_ops import DTYPES, SMALL_GEMM_ROWS, CpuOps
+from worker_service.models.cpu_ops import AMX_ROWS, DTYPES, SMALL_GEMM_ROWS, CpuOps
 from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RowParallelLinear
 from worker_service.models.llama import (
     DecoderLayer,
@@ -37,8 +37,9 @@ from worker_service.models.llama import (
 log = logging.getLogger(__name__)
 
 # Decode rows up to which one call beats the layers' torch path, by weight format (measured
-# with benchmarks.decode_bench: the dense few-row GEMM loses to oneDNN's beyond a few rows;
-# GGUF blocks take the same GEMM either way, so only dispatch differs).
+# with benchmarks.decode_bench: the dense few-row GEMM loses to oneDNN's beyond a few rows,
+# the AMX GEMM beyond AMX_ROWS; GGUF blocks take the same GEMM either way, so only dispatch
+# differs).
 DENSE_ROWS = SMALL_GEMM_ROWS
 BLOCK_ROWS = 64
 MODELS = (LlamaForCausalLM, Qwen2ForCausalLM)  # exactly these: subclasses change the layers
@@ -52,6 +53,7 @@ class _Linear(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("K", ctypes.c_int64),
         ("N", ctypes.c_int64),
+        ("amx", ctypes.c_void_p),
     ]
 
 
@@ -195,7 +197,8 @@ class FusedDecode:
                 raise Unfusable(f"GGUF type {q.ggml_type} without the CPU GEMM")
             return _Linear(q.ggml_type, self._ptr(q.blocks), bias, q.in_features, q.blocks.shape[0])
         weight = _in(linear.weight.data, self.dtype)
-        return _Linear(DENSE, self._ptr(weight), bias, weight.shape[1], weight.shape[0])
+        amx = self._ptr(linear.amx) if linear.amx is not None else None
+        return _Linear(DENSE, self._ptr(weight), bias, weight.shape[1], weight.shape[0], amx)
 
     def _ptr(self, t: torch.Tensor) -> int:
         if not t.is_contiguous() or t.device.type != "cpu":
@@ -220,11 +223,18 @@ def build(model: Any, backend: Any, max_rows: int) -> FusedDecode | None:
         if ops is None:
             raise Unfusable("the fused CPU ops are off")
         if max_rows < 0:
-            max_rows = BLOCK_ROWS if model.layers[0].mlp.down_proj.quant is not None else DENSE_ROWS
+            max_rows = default_rows(model.layers[0].mlp.down_proj)
         return FusedDecode(model, ops, max_rows)
     except Unfusable as why:
         log.info("decode steps run layer by layer: %s", why)
         return None
+
+
+def default_rows(linear: Linear) -> int:
+    """--fused-decode-rows -1 for a model whose GEMMs are like `linear`'s."""
+    if linear.quant is not None:
+        return BLOCK_ROWS
+    return AMX_ROWS if linear.amx is not None else DENSE_ROWS
 
 
 def _check_attention(attn: PagedAttention, dtype: torch.dtype) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from worker_service import native
 from worker_service.models import cpu_ops
-from worker_service.models.cpu_ops import SMALL_GEMM_ROWS, CpuOps
+from worker_service.models.cpu_ops import AMX_ROWS, SMALL_GEMM_ROWS, CpuOps, pack_amx
 from worker_service.models.quant import BlockWeight
 from worker_service.models.rope import RotaryEmbedding  # noqa: F401 (re-exported)
 from worker_service.parallel import TPGroup
@@ -68,7 +68,9 @@ class Linear(nn.Linear):
     the bf16 weight instead: it reads half the bytes of the float32 copy. So do they where
     the CPU has bf16 pair dot products (AVX512-BF16): there that GEMM beats oneDNN's packed
     bf16 one up to 8 rows (5.4 vs 6.8 ms a step of the default model's layers at one row,
-    7.5 vs 8.5 at eight; Zen 4, 2 threads).
+    7.5 vs 8.5 at eight; Zen 4, 2 threads). Where the CPU has AMX tiles, up to AMX_ROWS rows
+    run the AMX GEMM over a third copy of the weight in its tile layout (`amx`), which
+    beats both (cpu_ops.AMX_ROWS).
 
     Batch-invariant mode (`tile_rows` > 0, --deterministic): the rows run as GEMMs of exactly
     `tile_rows` rows each (the last tile zero-padded), so every call has one shape, one kernel
@@ -81,6 +83,7 @@ class Linear(nn.Linear):
     # Below this many rows the plain GEMV beats a float32 one over upcast weights (AVX2).
     min_rows = 0
     small_gemm: CpuOps | None = None  # few-row bf16 GEMM (pack(): upcast bf16, or AVX512-BF16)
+    amx: torch.Tensor | None = None  # the bf16 weight in AMX tile layout (pack(), AMX CPUs)
     quant: BlockWeight | None = None  # GGUF blocks (quantize(), set_blocks()) replace weight
     defer_weights = False  # set by deferred_weights(): new weights start on the meta device
     tile_rows = 0  # > 0: batch-invariant GEMMs in tiles of this many rows (class doc)
@@ -113,6 +116,9 @@ class Linear(nn.Linear):
         if bf16 and (upcast or native.cpu_level() == "AVX512_BF16"):
             self.weight.data = self.weight.data.contiguous()
             self.small_gemm = cpu_ops.load()
+        amx = bf16 and self.small_gemm is not None and self.small_gemm.amx
+        if amx and self.in_features % 32 == 0:
+            self.amx = pack_amx(self.weight.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_rows:
@@ -125,7 +131,10 @@ class Linear(nn.Linear):
             return self.quant.linear(x, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if self.small_gemm is not None and _few_bf16_rows(x):
+        if self.amx is not None and _few_bf16_rows(x, AMX_ROWS):
+            assert self.small_gemm is not None
+            return self.small_gemm.gemm_amx(x, self.amx, self.bias, self.out_features)
+        if self.small_gemm is not None and _few_bf16_rows(x, SMALL_GEMM_ROWS):
             return self.small_gemm.gemm_bf16(x, self.weight, self.bias)
         if x.shape[0] < self.min_rows:
             return F.linear(x, self.weight, self.bias)
@@ -160,9 +169,9 @@ def deferred_weights(defer: bool = True) -> Iterator[None]:
         Linear.defer_weights = before
 
 
-def _few_bf16_rows(x: torch.Tensor) -> bool:
-    """Whether x is [1..SMALL_GEMM_ROWS, in] bf16 (the few-row GEMM's input)."""
-    return x.dim() == 2 and 0 < x.shape[0] <= SMALL_GEMM_ROWS and x.dtype == torch.bfloat16
+def _few_bf16_rows(x: torch.Tensor, rows: int) -> bool:
+    """Whether x is [1..rows, in] bf16 (the few-row GEMMs' input)."""
+    return x.dim() == 2 and 0 < x.shape[0] <= rows and x.dtype == torch.bfloat16
 
 
 class RowParallelLinear(Linear):

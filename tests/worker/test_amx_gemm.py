@@ -1,0 +1,95 @@
+"""The AMX bf16 GEMM (amx_gemm.h) against a float64 matmul of the same values: its tile
+layout (cpu_ops.pack_amx), row counts across the 16-row tiles and 32-row passes, column tails,
+bias, and the Linear layers that choose it. Runs only where the CPU has AMX tiles for bf16;
+elsewhere each test skips and says so (the AVX512_BF16 build that holds it is compiled on
+every machine by test_small_gemm.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.worker.test_small_gemm import _assert_float32_sums_rounded
+from worker_service.models import cpu_ops
+from worker_service.models.layers import Linear
+
+SHAPES = [(1, 32), (17, 64), (33, 96), (960, 576), (576, 1536)]  # [N, K]: N tails, K in 32s
+ROWS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 70]  # tiles of 16 rows, passes of 32
+
+
+@pytest.fixture(scope="module")
+def ops() -> cpu_ops.CpuOps:
+    ops = cpu_ops.load()
+    if ops is None or not ops.amx:
+        pytest.skip("needs a CPU with AMX tiles for bf16 (amx_tile, amx_bf16)")
+    return ops
+
+
+def test_pack_amx_puts_pairs_of_k_in_tiles_of_16_columns() -> None:
+    w = torch.arange(33 * 64, dtype=torch.float32).reshape(33, 64).bfloat16()
+    packed = cpu_ops.pack_amx(w)
+    assert packed.shape == (3, 2, 16, 16, 2)
+    for j, kb, r, c, e in [(0, 0, 0, 0, 0), (1, 1, 5, 7, 1), (2, 0, 15, 0, 1), (0, 1, 3, 15, 0)]:
+        assert packed[j, kb, r, c, e] == w[16 * j + c, 32 * kb + 2 * r + e]
+    assert (packed[2, :, :, 1:] == 0).all()  # columns past N are zero
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_gemm_amx(ops: cpu_ops.CpuOps, rows: int, n: int, k: int) -> None:
+    torch.manual_seed(rows * n + k)
+    x, w, b = (torch.randn(*shape).bfloat16() for shape in ((rows, k), (n, k), (n,)))
+    exact = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
+    packed = cpu_ops.pack_amx(w)
+    _assert_float32_sums_rounded(ops.gemm_amx(x, packed, b, n), exact + b.double(), magnitude)
+    _assert_float32_sums_rounded(ops.gemm_amx(x, packed, None, n), exact, magnitude)
+
+
+def test_a_rows_result_does_not_depend_on_the_others(ops: cpu_ops.CpuOps) -> None:
+    """Each row's sums run over K in one order whatever the batch: alone = in 70 rows."""
+    torch.manual_seed(0)
+    x, w = torch.randn(70, 576).bfloat16(), torch.randn(960, 576).bfloat16()
+    packed = cpu_ops.pack_amx(w)
+    batch = ops.gemm_amx(x, packed, None, 960)
+    for i in (0, 17, 69):
+        assert torch.equal(ops.gemm_amx(x[i : i + 1], packed, None, 960)[0], batch[i])
+
+
+def test_gemm_amx_refuses_k_not_in_32s(ops: cpu_ops.CpuOps) -> None:
+    x, packed = torch.zeros(2, 48).bfloat16(), torch.zeros(1, 2, 16, 16, 2).bfloat16()
+    with pytest.raises(ValueError, match="gemm_amx"):
+        ops.gemm_amx(x, packed, None, 16)
+
+
+@pytest.mark.parametrize(("rows", "amx"), [(1, True), (cpu_ops.AMX_ROWS, True), (65, False)])
+def test_bf16_linear_takes_amx_up_to_its_rows(
+    ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch, rows: int, amx: bool
+) -> None:
+    calls: list[int] = []
+    gemm = cpu_ops.CpuOps.gemm_amx
+
+    def counted(self: cpu_ops.CpuOps, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return gemm(self, x, *args)
+
+    monkeypatch.setattr(cpu_ops.CpuOps, "gemm_amx", counted)
+    torch.manual_seed(rows)
+    layer = Linear(576, 200).bfloat16()
+    layer.pack(torch.bfloat16)
+    assert layer.amx is not None
+    x = torch.randn(rows, 576).bfloat16()
+    ours, reference = layer(x), F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert calls == ([rows] if amx else [])
+    torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_linear_whose_k_is_not_in_32s_keeps_the_other_gemms(ops: cpu_ops.CpuOps) -> None:
+    layer = Linear(48, 16).bfloat16()
+    layer.pack(torch.bfloat16)
+    assert layer.amx is None
+    x = torch.randn(3, 48).bfloat16()
+    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float())

@@ -1,0 +1,150 @@
+// bf16 GEMMs on AMX tiles (Sapphire Rapids and later): out = x @ w.T + bias, float32 sums.
+//
+// At 3-64 rows (decode batches) a step is too small for oneDNN's GEMMs to pay their call
+// overhead and too large for the pair-dot-product loop of small_gemm.h, which does 32
+// multiply-adds a weight load where a tile instruction does 16 x 16 x 32. Here every
+// 32 output columns of the weight, pre-packed in the tiles' pair layout, are read once per
+// 32 rows: two row tiles x two column tiles of float32 sums, K in steps of 32.
+//
+// Compiled in the AVX512_BF16 build with the AMX target enabled for these functions only;
+// the caller checks the CPU (amx_bf16, amx_tile) and calls `enable()` before `gemm`.
+//
+// Layouts: x [rows, K] and out [rows, N] bf16, row-major; bias [N] bf16 or null;
+// packed [ceil(N / 16), K / 32, 16, 16, 2] bf16: packed[j][kb][r][c][e] = w[16 j + c][32 kb
+// + 2 r + e] (zero past N), i.e. w [N, K] viewed [N/16, 16, K/32, 16, 2] and permuted
+// (0, 2, 3, 1, 4). K must be a multiple of 32.
+#pragma once
+
+#if defined(__AVX512BF16__)
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
+#include "bf16.h"
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+namespace amx_gemm {
+
+constexpr int64_t kTileK = 32;           // bf16 values of K per tile row
+constexpr int64_t kTileN = 16;           // output columns per tile
+constexpr int64_t kTileElems = 16 * 32;  // bf16 values of one packed weight tile
+
+// Linux lends the tile registers to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+inline bool enable() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 sums (row half h, column tile c: 2 c + h), 4-5 x rows, 6-7 weight columns.
+// r0 rows in the first half, r1 (0-16) in the second.
+inline void configure(int r0, int r1) {
+  TileConfig cfg;
+  const auto set = [&cfg](int tile, int rows) {
+    cfg.rows[tile] = uint8_t(rows);
+    cfg.colsb[tile] = 64;
+  };
+  for (int t : {0, 2, 4}) set(t, r0);
+  if (r1) {
+    for (int t : {1, 3, 5}) set(t, r1);
+  }
+  set(6, 16);
+  set(7, 16);
+  _tile_loadconfig(&cfg);
+}
+
+// Sums of rows [m0, m0 + r0 + r1) for column tiles j0 and (when two) j0 + 1, over all of K.
+inline void tile_sums(const uint16_t* x, const uint16_t* packed, int64_t K, int64_t m0, int r1,
+                      int64_t j0, bool two) {
+  const int64_t kb_count = K / kTileK, stride = K * int64_t(sizeof(uint16_t));
+  const uint16_t* w0 = packed + j0 * kb_count * kTileElems;
+  const uint16_t* w1 = w0 + kb_count * kTileElems;
+  const uint16_t* x0 = x + m0 * K;
+  const uint16_t* x1 = x0 + 16 * K;
+  _tile_zero(0);  // a tile is touched only where configured (configure(r0, r1))
+  _tile_zero(2);
+  if (r1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < kb_count; ++kb) {
+    _tile_loadd(4, x0 + kb * kTileK, stride);
+    _tile_loadd(6, w0 + kb * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (r1) {
+      _tile_loadd(5, x1 + kb * kTileK, stride);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if (two) {
+      _tile_loadd(7, w1 + kb * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if (r1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// sums [rows, 16] float32 (row stride 16) + bias -> out's columns [n0, min(n0 + 16, N)).
+inline void store_rows(const float* sums, int rows, const uint16_t* bias, uint16_t* out,
+                       int64_t m0, int64_t n0, int64_t N) {
+  const int64_t cols = std::min<int64_t>(kTileN, N - n0);
+  for (int m = 0; m < rows; ++m) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float b = bias ? widen(bias[n0 + c]) : 0.0f;
+      store(sums[m * kTileN + c] + b, out + (m0 + m) * N + n0 + c);
+    }
+  }
+}
+
+// out [rows, N] = x [rows, K] @ w.T + bias over the packed weight; false if the shape is not
+// one it takes (rows < 1, K not a multiple of 32).
+inline bool gemm(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* out,
+                 int64_t rows, int64_t K, int64_t N, int num_threads) {
+  if (rows < 1 || K % kTileK != 0 || K == 0) return false;
+  const int64_t col_tiles = (N + kTileN - 1) / kTileN, pairs = (col_tiles + 1) / 2;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, pairs)))
+  {
+    alignas(64) float sums[4][16 * kTileN];
+    for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+      const int r0 = int(std::min<int64_t>(16, rows - m0));
+      const int r1 = int(std::clamp<int64_t>(rows - m0 - 16, 0, 16));
+      configure(r0, r1);
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t j0 = 2 * p;
+        const bool two = j0 + 1 < col_tiles;
+        tile_sums(x, packed, K, m0, r1, j0, two);
+        _tile_stored(0, sums[0], 64);
+        if (r1) _tile_stored(1, sums[1], 64);
+        if (two) _tile_stored(2, sums[2], 64);
+        if (two && r1) _tile_stored(3, sums[3], 64);
+        for (int c = 0; c < (two ? 2 : 1); ++c) {
+          const int64_t n0 = (j0 + c) * kTileN;
+          store_rows(sums[2 * c], r0, bias, out, m0, n0, N);
+          if (r1) store_rows(sums[2 * c + 1], r1, bias, out, m0 + 16, n0, N);
+        }
+      }
+    }
+    _tile_release();
+  }
+  return true;
+}
+
+}  // namespace amx_gemm
+
+#pragma GCC pop_options
+
+#endif  // __AVX512BF16__
