@@ -92,7 +92,7 @@ def measure(
     return statistics.median(kernel), statistics.median(summed)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--context", type=int, default=500)
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--layers", type=int, default=8, help="pools read in turn")
     parser.add_argument("--caches", default="bf16,fp32,int8")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lib = cpu_kernel.build(args.level)
     rows: list[dict[str, Any]] = []
     for name in args.caches.split(","):

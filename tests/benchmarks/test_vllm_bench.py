@@ -157,3 +157,16 @@ def test_run_all_tries_the_install_once(tmp_path: Path) -> None:
         ensure_installed(env)
     args.skip = ["vllm"]
     assert run_all.vllm_args(args) == (None, ["--skip-vllm"])
+
+
+def test_every_benchmark_run_all_runs_takes_its_arguments() -> None:
+    """run_all calls benchmarks.<name>.main(argv) for each section: each main takes argv."""
+    import importlib
+    import inspect
+    import re
+
+    names = re.findall(r'run_module\("(\w+)"', inspect.getsource(run_all))
+    assert len(names) >= len(run_all.SECTIONS) - 1  # "serve" runs through serve_both
+    for name in names:
+        main = importlib.import_module(f"benchmarks.{name}").main
+        assert len(inspect.signature(main).parameters) == 1, name
