@@ -160,6 +160,11 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServicer):
         stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_preemptions=7)
         return to_proto(stats, engine_pb2.SchedulerStats)
 
+    def cancelled(self) -> dict[str, float]:
+        """cancelled_at of the requests started since the last reset: a request of an earlier
+        test whose abort lands late is not counted."""
+        return {rid: t for rid, t in self.cancelled_at.items() if rid in self.started}
+
     def reset(self) -> None:
         self.requests.clear()
         self.cancelled_at.clear()

@@ -160,8 +160,8 @@ def test_deadline_aborts_a_plain_request_with_408(
     assert reply.json()["error"]["type"] == "timeout_error"
     assert reply.headers["x-should-retry"] == "false"
     assert DEADLINE_S <= time.monotonic() - start < DEADLINE_S + 1.0
-    wait_until(lambda: len(engine.cancelled_at) == 1)
-    assert next(iter(engine.cancelled_at.values())) - start < DEADLINE_S + ABORTED_WITHIN_S
+    wait_until(lambda: len(engine.cancelled()) == 1)
+    assert next(iter(engine.cancelled().values())) - start < DEADLINE_S + ABORTED_WITHIN_S
     assert metric(stack, "tessera_request_timeouts_total") == before + 1
     wait_until(lambda: stack.gateway.serving.in_flight == 0)
 
@@ -176,6 +176,7 @@ def test_openai_client_sees_408_and_does_not_retry(stack: Stack, engine: FakeEng
         )  # fmt: skip
     assert info.value.status_code == 408
     assert len(engine.requests) == 1  # x-should-retry: false kept the SDK from retrying
+    wait_until(lambda: len(engine.cancelled()) == 1)
 
 
 def test_deadline_ends_a_stream_with_an_error_event(
@@ -190,7 +191,7 @@ def test_deadline_ends_a_stream_with_an_error_event(
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "timeout"
     assert sum('"content"' in e for e in events) >= 2
-    wait_until(lambda: len(engine.cancelled_at) == 2)  # both choices aborted
+    wait_until(lambda: len(engine.cancelled()) == 2)  # both choices aborted
 
 
 def test_server_timeout_applies_and_the_shorter_wins(
@@ -204,7 +205,7 @@ def test_server_timeout_applies_and_the_shorter_wins(
         assert reply.status_code == 408, reply.text
         assert "deadline of 0.3 s" in reply.json()["error"]["message"]
         assert time.monotonic() - start < 1.5
-    wait_until(lambda: len(engine.cancelled_at) == 2)  # the aborts reach the engine after the 408
+    wait_until(lambda: len(engine.cancelled()) == 2)  # the aborts reach the engine after the 408
     engine.token_delay_s = 0.0
     assert http.post(CHAT, json=chat(max_tokens=50)).status_code == 200  # fast ones pass
 
@@ -224,8 +225,8 @@ def test_grpc_call_deadline_aborts_the_request(
     with pytest.raises(grpc.RpcError) as info:
         list(stub.ChatStream(request, timeout=DEADLINE_S))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: len(engine.cancelled_at) == 2)
-    assert max(engine.cancelled_at.values()) - start < 2 * DEADLINE_S + ABORTED_WITHIN_S
+    wait_until(lambda: len(engine.cancelled()) == 2)
+    assert max(engine.cancelled().values()) - start < 2 * DEADLINE_S + ABORTED_WITHIN_S
 
 
 def test_grpc_server_timeout_is_deadline_exceeded(
@@ -239,4 +240,4 @@ def test_grpc_server_timeout_is_deadline_exceeded(
         stub.Complete(request)  # no call deadline: the server's applies
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "deadline of 0.3 s" in (info.value.details() or "")
-    wait_until(lambda: len(engine.cancelled_at) == 1)
+    wait_until(lambda: len(engine.cancelled()) == 1)
