@@ -60,7 +60,7 @@ def test_int8_activations_equal_the_quantized_products(
     torch.manual_seed(rows * n + k)
     blocks = random_blocks(ggml_type, n, k)
     x, b = torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
-    ours = ops.gemm_gguf(x, blocks, ggml_type, b, int8_x=True)
+    ours = ops.gemm_gguf(x, blocks, ggml_type, b, path=cpu_ops.INT8)
     assert ours.dtype == dtype
     if level == "":  # no integer dot products in the portable build: the float path
         assert torch.equal(ours, ops.gemm_gguf(x, blocks, ggml_type, b))
@@ -83,11 +83,11 @@ def test_int8_activations_stay_close_to_the_float_product() -> None:
     x, w = torch.randn(4, 576), torch.randn(300, 576)
     blocks = quant.BlockWeight.quantize_q8_0(w, ops).blocks
     exact = x.double() @ quant.dequantize_blocks(blocks, quant.Q8_0).double().T
-    error = (ops.gemm_gguf(x, blocks, quant.Q8_0, None, int8_x=True).double() - exact).abs()
+    error = (ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.INT8).double() - exact).abs()
     assert error.max() < 0.02 * exact.abs().max()
 
 
-def test_bf16_linears_take_int8_activations_float32_ones_do_not() -> None:
+def test_bf16_linears_take_the_fast_path_float32_ones_the_exact_one() -> None:
     torch.manual_seed(1)
     linear = Linear(576, 64, bias=False)
     linear.quantize()
@@ -96,4 +96,4 @@ def test_bf16_linears_take_int8_activations_float32_ones_do_not() -> None:
     ops, blocks = linear.quant.ops, linear.quant.blocks
     assert torch.equal(linear(x), ops.gemm_gguf(x, blocks, quant.Q8_0, None))
     xb = x.bfloat16()
-    assert torch.equal(linear(xb), ops.gemm_gguf(xb, blocks, quant.Q8_0, None, int8_x=True))
+    assert torch.equal(linear(xb), ops.gemm_gguf(xb, blocks, quant.Q8_0, None, path=cpu_ops.FAST))

@@ -36,10 +36,18 @@ constexpr int64_t kTileK = 32;           // bf16 values of K per tile row
 constexpr int64_t kTileN = 16;           // output columns per tile
 constexpr int64_t kTileElems = 16 * 32;  // bf16 values of one packed weight tile
 
+// Whether this process has the tiles (enable() succeeded): the GEMMs that choose for
+// themselves (amx_gguf.h) take them only then.
+inline bool& lent() {
+  static bool tiles = false;
+  return tiles;
+}
+
 // Linux lends the tile registers to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA).
 inline bool enable() {
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  lent() = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return lent();
 }
 
 struct alignas(64) TileConfig {

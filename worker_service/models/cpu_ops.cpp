@@ -90,17 +90,17 @@ int tessera_gemm_bf16(const void* x, const void* w, const void* bias, void* out,
 }
 
 // x, out [rows, K] and [rows, N] in `dtype`; w [N, K / 32 or K / 256] blocks of GGUF `type`
-// (ggml's id: gguf_formats.h); bias [N] in `dtype` or null.
+// (ggml's id: gguf_formats.h); bias [N] in `dtype` or null; path: gguf_q8::Path.
 int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const void* bias,
-                      void* out, int64_t rows, int64_t K, int64_t N, int int8_x,
+                      void* out, int64_t rows, int64_t K, int64_t N, int path,
                       int num_threads) {
   const auto* q = static_cast<const uint8_t*>(w);
   if (dtype == 0) return gguf_q8::gemm_or_float(type, static_cast<const float*>(x), q,
                                    static_cast<const float*>(bias), static_cast<float*>(out),
-                                   rows, K, N, int8_x, num_threads);
+                                   rows, K, N, path, num_threads);
   if (dtype == 1) return gguf_q8::gemm_or_float(type, static_cast<const uint16_t*>(x), q,
                                    static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out),
-                                   rows, K, N, int8_x, num_threads);
+                                   rows, K, N, path, num_threads);
   return 1;
 }
 

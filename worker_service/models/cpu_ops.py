@@ -53,7 +53,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "tessera_amx_enable": [],
     # x, packed, bias, out, rows, K, N, num_threads
     "tessera_gemm_amx": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
-    # type, dtype, x, w, bias, out, rows, K, N, int8_x, num_threads
+    # type, dtype, x, w, bias, out, rows, K, N, path, num_threads
     "tessera_gemm_gguf": [
         ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int,
         ctypes.c_int,
@@ -65,6 +65,7 @@ SMALL_GEMM_ROWS = 8
 # any rows): 9.1 vs 14.8 ms a step of the default model's layers at 1 row, 11.3 vs 16.8 at
 # 32, 16.5 vs 18.4 at 64, a tie at 96 (Xeon with AMX, 2 threads).
 AMX_ROWS = 64
+EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
 
 
 @functools.cache
@@ -204,18 +205,22 @@ class CpuOps:
         blocks: torch.Tensor,  # [N, K / block size * block bytes] uint8: GGUF blocks
         ggml_type: int,  # quant.TYPE_NAMES: Q4_0 (2) ... Q8_0 (8), Q4_K (12) ... Q6_K (14)
         bias: torch.Tensor | None,  # [N] in x's dtype
-        int8_x: bool = False,
+        path: int = EXACT,
     ) -> torch.Tensor:
         """x @ dequantize(blocks).T + bias -> [rows, N] in x's dtype, summed in float32.
-        int8_x: quantize x to int8 per 32 values for integer dot products (gguf_q8.h), where
-        this build has them (AVX2) and the format does; else x stays float32."""
+        path EXACT: x stays float32. INT8: x quantized to int8 per 32 values for integer dot
+        products (gguf_q8.h), where this build has them (AVX2) and the format does. FAST (bf16
+        x): from 3 rows (gguf_q8.h: kAmxRows) on AMX CPUs, the blocks dequantized to bf16 a
+        panel at a time for the tiles (amx_gguf.h); else INT8."""
+        if path == FAST and x.dtype == torch.bfloat16:
+            _ = self.amx  # asks for the tiles (once): the C++ GEMM takes them from then on
         x = x.contiguous()
         assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
         assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
         out = x.new_empty(x.shape[0], blocks.shape[0])
         status = self.lib.tessera_gemm_gguf(
             ggml_type, DTYPES[x.dtype], x.data_ptr(), blocks.data_ptr(), _ptr(bias),
-            out.data_ptr(), x.shape[0], x.shape[1], blocks.shape[0], int(int8_x),
+            out.data_ptr(), x.shape[0], x.shape[1], blocks.shape[0], path,
             torch.get_num_threads(),
         )  # fmt: skip
         if status == 2:

@@ -100,9 +100,10 @@ int linear(const TesseraLinear& l, const T* x, T* out, const Step& s) {
     const T* w = static_cast<const T*>(l.weight);
     return small_gemm::gemm(x, w, bias, out, s.rows, l.K, l.N, s.num_threads) ? 0 : 2;
   }
-  const int int8_x = kDtype<T>;  // as quant.BlockWeight.linear: int8 dots on the bf16 path
+  // as quant.BlockWeight.linear: the fast path for bf16, float32 stays exact
+  const int path = kDtype<T> ? gguf_q8::kFast : gguf_q8::kExact;
   return gguf_q8::gemm_or_float(int(l.type), x, static_cast<const uint8_t*>(l.weight), bias,
-                                out, s.rows, l.K, l.N, int8_x, s.num_threads);
+                                out, s.rows, l.K, l.N, path, s.num_threads);
 }
 
 // The scratch of one step, reused by every layer.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker_service.models import block_formats
+from worker_service.models import block_formats, cpu_ops
 from worker_service.models.cpu_ops import CpuOps
 
 BLOCK = 32  # weights per block (of Q4_0 ... Q8_0; K-quants: per group of a super-block)
@@ -82,8 +82,8 @@ class BlockWeight:
 
             return block_linear(x, self.blocks, self.ggml_type, bias)
         if self.ops is not None and x.dim() == 2 and x.shape[0] > 0 and x.dtype in NATIVE:
-            int8_x = x.dtype == torch.bfloat16  # the fast path; float32 stays exact
-            return self.ops.gemm_gguf(x, self.blocks, self.ggml_type, bias, int8_x)
+            path = cpu_ops.FAST if x.dtype == torch.bfloat16 else cpu_ops.EXACT
+            return self.ops.gemm_gguf(x, self.blocks, self.ggml_type, bias, path)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     @property

@@ -1,0 +1,222 @@
+// GEMMs over GGUF's blocks on AMX tiles (bf16): out = x @ dequantize(w).T + bias.
+//
+// The int8 dot products of gguf_q8.h cost a few vector instructions per 32 weights *per row
+// of x*: at a decode batch of 32 they are ten times slower than the bf16 weights on AMX. Here
+// each 32 weight rows (output columns) are dequantized once per call into a bf16 scratch that
+// stays in L1/L2, and every row of x is multiplied by them on the tiles, so a weight costs its
+// 4.5-8.5 bits of memory and one dequantization whatever the number of rows. The weights take
+// the tiles' A side (16 weight rows by 32 K values: a dequantized row as it is), x the B side
+// in the pair layout (packed once per call), so the sums come out transposed: sums[n][m].
+//
+// The values multiplied are the weights rounded to bf16 (w = d q + m in float32, then bf16,
+// as a bf16 checkpoint of the dequantized model holds them) by x in bf16, summed in float32.
+// Every block format of gguf_formats.h (Q4_0 ... Q6_K) decodes through its `Block`.
+//
+// Compiled in the AVX512_BF16 build with the AMX target for these functions only; taken where
+// amx_gemm::enable() succeeded in this process (amx_gemm::lent()).
+#pragma once
+
+#if defined(__AVX512BF16__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx_gemm.h"
+#include "bf16.h"
+#include "gguf_formats.h"
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+namespace amx_gguf {
+
+using amx_gemm::kTileElems;
+using amx_gemm::kTileK;
+using gguf_gemm::kGroup;
+using gguf_gemm::Values;
+constexpr int64_t kPanel = 32;  // weight rows dequantized together: two A tiles
+
+// Tiles: 0-3 sums (A tile a, B tile b: 2 b + a), 4-5 weight rows, 6-7 x rows; all 16 x 64 B.
+inline void configure() {
+  amx_gemm::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// x [rows, K] bf16 -> [ceil(rows / 16), K / 32, 16, 16, 2]: xp[t][kb][r][c][e] = x[16 t + c]
+// [32 kb + 2 r + e] (zero past rows): the B side of a tile product, 16 rows of x a tile.
+inline std::vector<uint16_t> pack_x(const uint16_t* x, int64_t rows, int64_t K) {
+  const int64_t tiles = (rows + 15) / 16, kbs = K / kTileK;
+  std::vector<uint16_t> xp(tiles * kbs * kTileElems, 0);
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* tile_row = xp.data() + (m / 16) * kbs * kTileElems + (m % 16) * 2;
+    for (int64_t k = 0; k < K; k += 2)  // pair k / 2 % 16 of K block k / 32
+      std::memcpy(tile_row + (k / kTileK) * kTileElems + (k % kTileK) / 2 * 32, x + m * K + k,
+                  2 * sizeof(uint16_t));
+  }
+  return xp;
+}
+
+// 32 weights q * d + m (q: float32 lanes 0-15, 16-31) -> 32 bf16 at dst.
+inline void store_group(__m512 q0, __m512 q1, float d, float m, uint16_t* dst) {
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q1, dv, mv), _mm512_fmadd_ps(q0, dv, mv));
+  _mm512_storeu_si512(dst, (__m512i)v);
+}
+
+// One weight row of F blocks -> K bf16 at dst. Q4_0, Q4_1 and Q8_0 (what int4 and int8 at load
+// make) widen their values in one step; the other formats decode through their Block.
+template <typename F>
+void dequantize_row(const uint8_t* row, int64_t blocks, uint16_t* dst) {
+  using namespace gguf_gemm;
+  for (int64_t b = 0; b < blocks; ++b, row += F::kBytes) {
+    if constexpr (F::kType == Q4_0::kType || F::kType == Q4_1::kType) {
+      const bool q4_1 = F::kType == Q4_1::kType;
+      const float d = half_at(row), m = q4_1 ? half_at(row + 2) : -8.0f * d;
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (q4_1 ? 4 : 2)));
+      const __m512i bytes = _mm512_cvtepu8_epi32(qs);  // value j: low nibble, j + 16: high
+      store_group(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))),
+                  _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m, dst + b * kGroup);
+    } else if constexpr (F::kType == Q8_0::kType) {
+      const auto* qs = reinterpret_cast<const __m128i*>(row + 2);
+      store_group(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))),
+                  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))),
+                  half_at(row), 0.0f, dst + b * kGroup);
+    } else {
+      const typename F::Block block(row);
+      for (int j = 0; j < F::kGroups; ++j) {
+        Values q;  // d q, float32
+        float m;
+        block.group(j, q, m);
+        store_group(q[0], q[1], 1.0f, m, dst + (b * F::kGroups + j) * kGroup);
+      }
+    }
+  }
+}
+
+// Weight rows [n0, n0 + count) -> buf [kPanel, K] bf16 (rows past count zero).
+template <typename F>
+void dequantize_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t count, uint16_t* buf) {
+  const int64_t blocks = K / (kGroup * F::kGroups), row_bytes = blocks * F::kBytes;
+  for (int64_t r = 0; r < count; ++r) dequantize_row<F>(w + (n0 + r) * row_bytes, blocks, buf + r * K);
+  std::fill(buf + count * K, buf + kPanel * K, uint16_t(0));
+}
+
+// sums [16 n][16 m] + bias -> out[m0 + m][n0 + n] for the rows and columns that exist.
+inline void store_sums(const float* sums, const uint16_t* bias, uint16_t* out, int64_t m0,
+                       int64_t rows, int64_t n0, int64_t N) {
+  const int64_t ms = std::min<int64_t>(16, rows - m0), ns = std::min<int64_t>(16, N - n0);
+  for (int64_t m = 0; m < ms; ++m)
+    for (int64_t n = 0; n < ns; ++n)
+      store(sums[n * 16 + m] + (bias ? widen(bias[n0 + n]) : 0.0f), out + (m0 + m) * N + n0 + n);
+}
+
+inline void tile_store(int tile, float* sums) {  // _tile_stored takes a constant tile number
+  switch (tile) {
+    case 0: _tile_stored(0, sums, 64); break;
+    case 1: _tile_stored(1, sums, 64); break;
+    case 2: _tile_stored(2, sums, 64); break;
+    default: _tile_stored(3, sums, 64); break;
+  }
+}
+
+// Sum tile `tile` (plus tile `also`, when >= 0) -> out's rows m0.., columns n0.. + bias.
+inline void flush(int tile, int also, const uint16_t* bias, uint16_t* out, int64_t m0,
+                  int64_t rows, int64_t n0, int64_t N) {
+  if (m0 >= rows || n0 >= N) return;
+  alignas(64) float sums[2][16 * 16];
+  tile_store(tile, sums[0]);
+  if (also >= 0) {
+    tile_store(also, sums[1]);
+    for (int i = 0; i < 16 * 16; i += 16)
+      _mm512_store_ps(sums[0] + i,
+                      _mm512_add_ps(_mm512_load_ps(sums[0] + i), _mm512_load_ps(sums[1] + i)));
+  }
+  store_sums(sums[0], bias, out, m0, rows, n0, N);
+}
+
+// The panel buf (weight rows n0 .. n0 + 31, dequantized) times every row of x (packed: xp).
+inline void panel_product(const uint16_t* buf, const uint16_t* xp, const uint16_t* bias,
+                          uint16_t* out, int64_t rows, int64_t K, int64_t n0, int64_t N) {
+  const int64_t kbs = K / kTileK, x_tiles = (rows + 15) / 16, stride = K * 2;
+  for (int64_t t = 0; t < x_tiles; t += 2) {
+    const bool two = t + 1 < x_tiles;
+    const uint16_t* x0 = xp + t * kbs * kTileElems;
+    const uint16_t* x1 = x0 + kbs * kTileElems;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < kbs; ++kb) {
+      _tile_loadd(4, buf + kb * kTileK, stride);
+      _tile_loadd(5, buf + 16 * K + kb * kTileK, stride);
+      _tile_loadd(6, x0 + kb * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) {
+        _tile_loadd(7, x1 + kb * kTileElems, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    flush(0, -1, bias, out, 16 * t, rows, n0, N);
+    flush(1, -1, bias, out, 16 * t, rows, n0 + 16, N);
+    if (two) {
+      flush(2, -1, bias, out, 16 * (t + 1), rows, n0, N);
+      flush(3, -1, bias, out, 16 * (t + 1), rows, n0 + 16, N);
+    }
+  }
+}
+
+template <typename F>
+void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint16_t* out,
+                 int64_t rows, int64_t K, int64_t N, int num_threads) {
+  const std::vector<uint16_t> xp = pack_x(x, rows, K);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, panels)))
+  {
+    std::vector<uint16_t> buf(kPanel * K);
+    configure();
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n0 = p * kPanel, count = std::min(kPanel, N - n0);
+      dequantize_panel<F>(w, K, n0, count, buf.data());
+      panel_product(buf.data(), xp.data(), bias, out, rows, K, n0, N);
+    }
+    _tile_release();
+  }
+}
+
+// gguf_gemm::gemm on AMX tiles for bf16 x. Returns 0, 2 for rows < 1 or K not whole blocks,
+// 3 for a type it does not know.
+inline int gemm(int type, const uint16_t* x, const uint8_t* w, const uint16_t* bias,
+                uint16_t* out, int64_t rows, int64_t K, int64_t N, int num_threads) {
+  using namespace gguf_gemm;
+  const int64_t block = (type == Q4_K::kType || type == Q5_K::kType || type == Q6_K::kType)
+                            ? 256 : kGroup;  // fmt: skip
+  if (rows < 1 || K % block != 0) return 2;
+  switch (type) {
+    case Q4_0::kType: gemm_format<Q4_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q4_1::kType: gemm_format<Q4_1>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q5_0::kType: gemm_format<Q5_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q5_1::kType: gemm_format<Q5_1>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q8_0::kType: gemm_format<Q8_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q4_K::kType: gemm_format<Q4_K>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q5_K::kType: gemm_format<Q5_K>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    case Q6_K::kType: gemm_format<Q6_K>(x, w, bias, out, rows, K, N, num_threads); return 0;
+    default: return 3;
+  }
+}
+
+}  // namespace amx_gguf
+
+#pragma GCC pop_options
+
+#endif  // __AVX512BF16__
