@@ -1,4 +1,4 @@
-"""The GGUF GEMM on AMX tiles (amx_gguf.h, the bf16 fast path from 3 rows on AMX CPUs): every
+"""The GGUF GEMM on AMX tiles (amx_gguf.h, the bf16 fast path from 6 rows on AMX CPUs): every
 block format, dequantized to bf16 a panel of 32 weight rows at a time, against a float64
 matmul of x with the same weights rounded to bf16. Row counts across the 16-row tiles and
 their pairs, column tails of the 32-row panels, bias. Runs only where the CPU has AMX tiles
@@ -12,7 +12,7 @@ import torch
 from tests.worker.test_small_gemm import random_blocks
 from worker_service.models import cpu_ops, quant
 
-ROWS = [3, 15, 16, 17, 32, 33, 70]  # the fast path's smallest, x tiles of 16 and pairs of them
+ROWS = [cpu_ops.AMX_GGUF_ROWS, 15, 16, 17, 32, 33, 70]  # the fast path's smallest, x tiles of 16 and pairs of them
 SHAPES = {32: [(1, 32), (37, 96), (65, 576)], 256: [(33, 256), (70, 768)]}  # [N, K] by block
 
 
@@ -53,24 +53,25 @@ def test_tiles_multiply_the_weights_rounded_to_bf16(
 
 
 def test_a_rows_result_does_not_depend_on_the_others(ops: cpu_ops.CpuOps) -> None:
-    """From 3 rows each row's sums run over K in one order whatever the batch."""
+    """On the tiles each row's sums run over K in one order whatever the batch."""
     torch.manual_seed(0)
     blocks = random_blocks(quant.Q4_1, 960, 576)
     x = torch.randn(70, 576).bfloat16()
     batch = ops.gemm_gguf(x, blocks, quant.Q4_1, None, path=cpu_ops.FAST)
-    for i in (0, 17, 67):
-        alone = ops.gemm_gguf(x[i : i + 3], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
-        assert torch.equal(alone, batch[i : i + 3])
+    few = cpu_ops.AMX_GGUF_ROWS
+    for i in (0, 17, 70 - few):
+        alone = ops.gemm_gguf(x[i : i + few], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
+        assert torch.equal(alone, batch[i : i + few])
 
 
-def test_the_fast_path_takes_the_tiles_from_3_rows(ops: cpu_ops.CpuOps) -> None:
-    """Below 3 rows int8 x (gguf_q8.h), from 3 the tiles: the tiles' result differs from int8
-    x's and equals itself taken at any batch of 3 rows or more."""
+def test_the_fast_path_takes_the_tiles_from_amx_gguf_rows(ops: cpu_ops.CpuOps) -> None:
+    """Below AMX_GGUF_ROWS rows the fast path is int8 x (gguf_q8.h), from there the tiles,
+    whose result differs from int8 x's."""
     torch.manual_seed(1)
     blocks = random_blocks(quant.Q8_0, 64, 576)
-    x = torch.randn(3, 576).bfloat16()
+    x = torch.randn(cpu_ops.AMX_GGUF_ROWS, 576).bfloat16()
     fast = ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.FAST)
     int8 = ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.INT8)
     assert not torch.equal(fast, int8)
-    two = ops.gemm_gguf(x[:2], blocks, quant.Q8_0, None, path=cpu_ops.FAST)
-    assert torch.equal(two, ops.gemm_gguf(x[:2], blocks, quant.Q8_0, None, path=cpu_ops.INT8))
+    fewer = ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.FAST)
+    assert torch.equal(fewer, ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.INT8))

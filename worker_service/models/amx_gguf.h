@@ -28,6 +28,7 @@
 #include "amx_gemm.h"
 #include "bf16.h"
 #include "gguf_formats.h"
+#include "prefetch.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
@@ -71,26 +72,67 @@ inline void store_group(__m512 q0, __m512 q1, float d, float m, uint16_t* dst) {
   _mm512_storeu_si512(dst, (__m512i)v);
 }
 
+template <typename F>
+constexpr bool kSimple = F::kType == gguf_gemm::Q4_0::kType || F::kType == gguf_gemm::Q4_1::kType ||
+                         F::kType == gguf_gemm::Q8_0::kType;  // blocks of 32: d (m) values
+
+// d and m of blocks [0, n) from `first` (n <= 16, kSimple formats): one gather of each block's
+// first 4 bytes, where a half conversion and a broadcast each a block would cost as much as
+// widening its values.
+template <typename F>
+void block_scales(const uint8_t* first, int n, float* d, float* m) {
+  const __m512i at = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(F::kBytes));
+  const __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
+                                                  __mmask16((1u << n) - 1), at, first, 1);
+  const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+  _mm512_store_ps(d, dv);
+  if constexpr (F::kType == gguf_gemm::Q4_1::kType)
+    _mm512_store_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(raw, 16))));
+  else if constexpr (F::kType == gguf_gemm::Q4_0::kType)
+    _mm512_store_ps(m, _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f)));
+  else
+    _mm512_store_ps(m, _mm512_setzero_ps());
+}
+
+// One block's 32 values (kSimple formats) as float32 lanes 0-15 and 16-31, before scaling.
+template <typename F>
+void block_values(const uint8_t* block, __m512& q0, __m512& q1) {
+  if constexpr (F::kType == gguf_gemm::Q8_0::kType) {
+    const auto* qs = reinterpret_cast<const __m128i*>(block + 2);
+    q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs)));
+    q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1)));
+  } else {
+    const int at = F::kType == gguf_gemm::Q4_1::kType ? 4 : 2;
+    const __m512i bytes =  // value j: low nibble of byte j, j + 16: its high nibble
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + at)));
+    q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+}
+
 // One weight row of F blocks -> K bf16 at dst. Q4_0, Q4_1 and Q8_0 (what int4 and int8 at load
-// make) widen their values in one step; the other formats decode through their Block.
+// make) take their scales 16 blocks at a time; the other formats decode through their Block.
 template <typename F>
 void dequantize_row(const uint8_t* row, int64_t blocks, uint16_t* dst) {
-  using namespace gguf_gemm;
-  for (int64_t b = 0; b < blocks; ++b, row += F::kBytes) {
-    if constexpr (F::kType == Q4_0::kType || F::kType == Q4_1::kType) {
-      const bool q4_1 = F::kType == Q4_1::kType;
-      const float d = half_at(row), m = q4_1 ? half_at(row + 2) : -8.0f * d;
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (q4_1 ? 4 : 2)));
-      const __m512i bytes = _mm512_cvtepu8_epi32(qs);  // value j: low nibble, j + 16: high
-      store_group(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))),
-                  _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m, dst + b * kGroup);
-    } else if constexpr (F::kType == Q8_0::kType) {
-      const auto* qs = reinterpret_cast<const __m128i*>(row + 2);
-      store_group(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))),
-                  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))),
-                  half_at(row), 0.0f, dst + b * kGroup);
-    } else {
-      const typename F::Block block(row);
+  if constexpr (kSimple<F>) {
+    alignas(64) float d[16], m[16];
+    for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+      const int n = int(std::min<int64_t>(16, blocks - b0));
+      block_scales<F>(row + b0 * F::kBytes, n, d, m);
+      for (int i = 0; i < n; ++i) {
+        const uint8_t* block = row + (b0 + i) * F::kBytes;
+        prefetch::ahead(block);
+        __m512 q0, q1;
+        block_values<F>(block, q0, q1);
+        store_group(q0, q1, d[i], m[i], dst + (b0 + i) * kGroup);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const typename F::Block block(row + b * F::kBytes);
+      prefetch::ahead(row + b * F::kBytes);
       for (int j = 0; j < F::kGroups; ++j) {
         Values q;  // d q, float32
         float m;

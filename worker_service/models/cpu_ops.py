@@ -66,6 +66,7 @@ SMALL_GEMM_ROWS = 8
 # 32, 16.5 vs 18.4 at 64, a tie at 96 (Xeon with AMX, 2 threads).
 AMX_ROWS = 64
 EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
+AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kAmxRows)
 
 
 @functools.cache
@@ -210,7 +211,7 @@ class CpuOps:
         """x @ dequantize(blocks).T + bias -> [rows, N] in x's dtype, summed in float32.
         path EXACT: x stays float32. INT8: x quantized to int8 per 32 values for integer dot
         products (gguf_q8.h), where this build has them (AVX2) and the format does. FAST (bf16
-        x): from 3 rows (gguf_q8.h: kAmxRows) on AMX CPUs, the blocks dequantized to bf16 a
+        x): from AMX_GGUF_ROWS rows on AMX CPUs, the blocks dequantized to bf16 a
         panel at a time for the tiles (amx_gguf.h); else INT8."""
         if path == FAST and x.dtype == torch.bfloat16:
             _ = self.amx  # asks for the tiles (once): the C++ GEMM takes them from then on

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gguf_formats.h"
+#include "prefetch.h"
 #include "small_gemm.h"
 
 namespace gguf_gemm {
@@ -39,6 +40,7 @@ struct BlockDot {
       offset[m] = 0.0f;
     }
     for (int64_t b = 0; b < blocks; ++b) {
+      prefetch::ahead(row + b * F::kBytes);
       const typename F::Block block(row + b * F::kBytes);
       for (int j = 0; j < F::kGroups; ++j) {
         const int64_t g = b * F::kGroups + j;

@@ -15,6 +15,7 @@
 
 #include "amx_gguf.h"
 #include "gguf_gemm.h"
+#include "prefetch.h"
 #include "small_gemm.h"
 
 #if defined(__AVX2__)
@@ -116,6 +117,7 @@ struct Q8Dot {
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
       float d, mn;
+      prefetch::ahead(row + b * F::kBytes);
       const __m256i q = F::load(row + b * F::kBytes, d, mn);
       for (int m = 0; m < M; ++m) {
         const int64_t r = (r0 + m) * blocks + b;
@@ -180,9 +182,10 @@ namespace gguf_q8 {
 // quantizes x to int8 per 32 values (above); kFast, the bf16 default, takes AMX tiles
 // (amx_gguf.h) from kAmxRows rows where this process has them, else int8 x.
 enum Path { kExact = 0, kInt8 = 1, kFast = 2 };
-// From this many rows the tiles beat int8 x (default model's layers, 2 threads: 1 row 11.0
-// vs 14.0 ms, 2 rows 13.5 vs 15.4, 3 rows 14.1 vs 14.5; 32 rows 69 vs 21).
-constexpr int64_t kAmxRows = 3;
+// From this many rows the tiles beat int8 x (default model's 30 layers, 2 threads, Q4_1 / Q8_0,
+// ms: 5 rows 10.6 / 11.4 vs 11.5 / 13.1; 6 rows 11.7 / 12.4 vs 11.3 / 13.0; 8 rows 15.4 /
+// 15.8 vs 11.4 / 13.4; 32 rows 69 / 72 vs 16.6 / 18.5).
+constexpr int64_t kAmxRows = 6;
 
 // The GEMM `path` asks for where this build has it (AVX2 for int8 x, AVX512_BF16 and AMX for
 // the tiles) and the type has one, else the float one (gguf_gemm.h). Status: 0 ok, 2 K not

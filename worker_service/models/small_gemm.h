@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "prefetch.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -113,6 +114,7 @@ inline void dot_rows(const float* x, const TW* w, int64_t K, float (&sums)[M]) {
   for (int m = 0; m < M; ++m) acc[m] = Vec::zero();
   int64_t k = 0;
   for (; k + Vec::W <= K; k += Vec::W) {
+    prefetch::ahead(w + k);
     const typename Vec::V wv = Vec::load(w + k);
     for (int m = 0; m < M; ++m) acc[m] = Vec::fma(Vec::load(x + m * K + k), wv, acc[m]);
   }
@@ -132,6 +134,7 @@ inline void dot_rows_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    prefetch::ahead(w + k);
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
     for (int m = 0; m < M; ++m)
       acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
