@@ -12,7 +12,15 @@ import torch
 from tests.worker.test_small_gemm import random_blocks
 from worker_service.models import cpu_ops, quant
 
-ROWS = [cpu_ops.AMX_GGUF_ROWS, 15, 16, 17, 32, 33, 70]  # the fast path's smallest, x tiles of 16 and pairs of them
+ROWS = [
+    cpu_ops.AMX_GGUF_ROWS,
+    15,
+    16,
+    17,
+    32,
+    33,
+    70,
+]  # the fast path's smallest, x tiles of 16 and pairs of them
 SHAPES = {32: [(1, 32), (37, 96), (65, 576)], 256: [(33, 256), (70, 768)]}  # [N, K] by block
 
 
