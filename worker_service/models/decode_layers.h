@@ -13,7 +13,8 @@
 //   x         [rows, hidden]: out: the last layer's MLP output (the model's final norm
 //             adds it to the residual)
 //   cos, sin  [rows, head_dim / 2]; slots [rows]: each row's KV slot
-//   pools     [blocks, block_size, kv_heads, head_dim]; block_table [num_reqs, table_stride]
+//   pools     [blocks, block_size, kv_heads, head_dim] (head_dim + 2 bytes a head row when
+//             quantized: kv_quant.h); block_table [num_reqs, table_stride]
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../attention/kv_quant.h"
 #include "amx_gemm.h"
 #include "elementwise.h"
 #include "gguf_q8.h"
@@ -48,8 +50,11 @@ struct TesseraLayer {
   int64_t window;  // sliding window (0: full attention)
 };
 
+// cache_dtype: the pools' elements, as the paged decode kernel takes them: 0 the model dtype,
+// 2 int8, 3 float8 e4m3fn (values and a half scale per slot and KV head: kv_quant.h);
+// rotate: K and the queries go through the Hadamard rotation (kv_rotation.py: int8 pools).
 struct TesseraDecodeShape {
-  int64_t hidden, heads, kv_heads, head_dim, inter, block_size;
+  int64_t hidden, heads, kv_heads, head_dim, inter, block_size, cache_dtype, rotate;
   float eps, scale;
 };
 
@@ -120,19 +125,43 @@ struct Buffers {
         act(rows * d.inter) {}
 };
 
+// One row's K or V heads (kv_heads x head_dim, after RoPE) into a pool at `slot`: as they are,
+// or quantized per head (kv_write::quantize_row, as kv_quant.write does in torch).
+// `heads` is K (rotated first where d.rotate) or V.
+template <typename T>
+void write_kv(const TesseraDecodeShape& d, const T* heads, void* pool, int64_t slot, bool key) {
+  const int64_t dim = d.head_dim, kv = d.kv_heads * dim;
+  if (d.cache_dtype == 0) {
+    std::memcpy(static_cast<T*>(pool) + slot * kv, heads, kv * sizeof(T));
+    return;
+  }
+  const int64_t width = dim + kScaleElems<int8_t>;  // bytes of a head row
+  auto* rows = static_cast<uint8_t*>(pool) + slot * d.kv_heads * width;
+  std::vector<T> row(dim);
+  for (int64_t h = 0; h < d.kv_heads; ++h) {
+    std::memcpy(row.data(), heads + h * dim, dim * sizeof(T));
+    if (key && d.rotate) kv_write::hadamard(row.data(), dim);
+    if (d.cache_dtype == 2)
+      kv_write::quantize_row(row.data(), dim, reinterpret_cast<int8_t*>(rows + h * width));
+    else
+      kv_write::quantize_row(row.data(), dim, reinterpret_cast<Fp8E4M3*>(rows + h * width));
+  }
+}
+
 // qkv rows after RoPE: K and V into the layer's pools at the rows' slots, the queries into
 // one contiguous [rows, heads, head_dim] block for the attention kernel.
 template <typename T>
 void scatter_qkv(const TesseraDecodeShape& d, const TesseraLayer& l, Buffers<T>& b,
                  const Step& s) {
   const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim, width = q + 2 * kv;
-  T* k_cache = static_cast<T*>(l.k_cache);
-  T* v_cache = static_cast<T*>(l.v_cache);
   for (int64_t r = 0; r < s.rows; ++r) {
     const T* row = b.qkv.data() + r * width;
-    std::memcpy(b.query.data() + r * q, row, q * sizeof(T));
-    std::memcpy(k_cache + s.slots[r] * kv, row + q, kv * sizeof(T));
-    std::memcpy(v_cache + s.slots[r] * kv, row + q + kv, kv * sizeof(T));
+    T* query = b.query.data() + r * q;
+    std::memcpy(query, row, q * sizeof(T));
+    if (d.rotate)  // scores against rotated K: q H . k H = q . k
+      for (int64_t h = 0; h < d.heads; ++h) kv_write::hadamard(query + h * d.head_dim, d.head_dim);
+    write_kv(d, row + q, l.k_cache, s.slots[r], true);
+    write_kv(d, row + q + kv, l.v_cache, s.slots[r], false);
   }
 }
 
@@ -146,7 +175,7 @@ int attention(const TesseraDecodeShape& d, const TesseraLayer& l, Buffers<T>& b,
   elementwise::rope(b.qkv.data(), s.rows, d.heads + d.kv_heads, d.head_dim, width, cos, sin,
                     s.num_threads);
   scatter_qkv(d, l, b, s);
-  status = s.attend(kDtype<T>, 0, b.query.data(), l.k_cache, l.v_cache, b.attn.data(),
+  status = s.attend(kDtype<T>, int(d.cache_dtype), b.query.data(), l.k_cache, l.v_cache, b.attn.data(),
                     s.block_table, s.table_stride, s.seq_lens, s.index, s.index, s.rows, d.heads,
                     d.kv_heads, d.head_dim, d.block_size, l.window, /*split_tokens=*/0, d.scale, s.num_threads);
   if (status) return 10 + status;

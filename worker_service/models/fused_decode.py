@@ -10,7 +10,9 @@ then the final norm; any other step runs the model as usual.
 
 `build` takes a plain Llama-family model (Llama, Mistral, SmolLM2, Qwen2) whose layers
 already run the fused CPU ops, with dense weights in the model dtype or GGUF blocks, KV
-pools in the model dtype, no tensor parallelism and no LoRA; anything else keeps the model.
+pools in the model dtype or quantized (int8 / fp8_e4m3: K and V quantized per slot and head
+as kv_quant.write does, K and the queries Hadamard-rotated for int8 as kv_rotation does), no
+tensor parallelism and no LoRA; anything else keeps the model.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from worker_service.attention import cpu_kernel
+from worker_service.attention import cpu_kernel, kv_quant, kv_rotation
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.models.context import get_attention_metadata
@@ -70,6 +72,8 @@ class _Shape(ctypes.Structure):
         *((name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim")),
         ("inter", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
+        ("cache_dtype", ctypes.c_int64),
+        ("rotate", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]
@@ -241,8 +245,17 @@ def _check_attention(attn: PagedAttention, dtype: torch.dtype) -> None:
     if attn.q_norm is not None or attn.softcap > 0 or attn.ops is None:
         raise Unfusable("q/k norm, soft-capping or torch RoPE")
     pool = attn.k_cache
-    if pool.dtype != dtype or pool.dim() != 4 or pool.shape[3] != attn.head_dim:
+    width = kv_quant.slot_width(attn.head_dim, pool.dtype)
+    if pool.dtype not in (dtype, *kv_quant.QUANTIZED) or pool.dim() != 4 or pool.shape[3] != width:
         raise Unfusable(f"KV pool {pool.dtype} {tuple(pool.shape)}")
+    if kv_rotation.applies(pool, attn.head_dim) and (kv_rotation.ROTATE_V or attn.head_dim > 1024):
+        raise Unfusable("V rotated (kv_rotation.ROTATE_V) or a head over 1024")
+
+
+def _cache_dtype(pool: torch.Tensor, dtype: torch.dtype) -> int:
+    """TesseraDecodeShape.cache_dtype of a pool in a `dtype` model (the paged decode kernel's
+    codes: 0 the model dtype, else cpu_kernel.CACHE_DTYPES)."""
+    return 0 if pool.dtype == dtype else cpu_kernel.CACHE_DTYPES[pool.dtype]
 
 
 def norm_weight(norm: RMSNorm, dtype: torch.dtype) -> torch.Tensor:
@@ -269,6 +282,8 @@ def _shape(model: LlamaForCausalLM, layers: list[Any]) -> _Shape:
         attn.head_dim,
         layers[0].mlp.intermediate,
         attn.k_cache.shape[1],
+        _cache_dtype(attn.k_cache, model.embed_tokens.weight.dtype),
+        int(kv_rotation.applies(attn.k_cache, attn.head_dim)),
         layers[0].input_layernorm.eps,
         attn.scale,
     )
