@@ -105,16 +105,24 @@ inline void tile_sums(const uint16_t* x, const uint16_t* packed, int64_t K, int6
   }
 }
 
+// 16 float32 sums of an output row (+ bias[0, 16) when given) -> out[0, cols) in bf16,
+// rounded to nearest even (as bf16.h's store), cols <= 16.
+inline void store_row16(__m512 sums, const uint16_t* bias, uint16_t* out, int64_t cols) {
+  const __mmask16 mask = __mmask16((1u << cols) - 1);
+  if (bias) {
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias));
+    sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+  }
+  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
 // sums [rows, 16] float32 (row stride 16) + bias -> out's columns [n0, min(n0 + 16, N)).
 inline void store_rows(const float* sums, int rows, const uint16_t* bias, uint16_t* out,
                        int64_t m0, int64_t n0, int64_t N) {
   const int64_t cols = std::min<int64_t>(kTileN, N - n0);
-  for (int m = 0; m < rows; ++m) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const float b = bias ? widen(bias[n0 + c]) : 0.0f;
-      store(sums[m * kTileN + c] + b, out + (m0 + m) * N + n0 + c);
-    }
-  }
+  for (int m = 0; m < rows; ++m)
+    store_row16(_mm512_load_ps(sums + m * kTileN), bias ? bias + n0 : nullptr,
+                out + (m0 + m) * N + n0, cols);
 }
 
 // out [rows, N] = x [rows, K] @ w.T + bias over the packed weight; false if the shape is not

@@ -152,12 +152,15 @@ void dequantize_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t count, ui
 }
 
 // sums [16 n][16 m] + bias -> out[m0 + m][n0 + n] for the rows and columns that exist.
+// (Column m of sums is row m of out: one gather each.)
 inline void store_sums(const float* sums, const uint16_t* bias, uint16_t* out, int64_t m0,
                        int64_t rows, int64_t n0, int64_t N) {
   const int64_t ms = std::min<int64_t>(16, rows - m0), ns = std::min<int64_t>(16, N - n0);
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                                           192, 208, 224, 240);
   for (int64_t m = 0; m < ms; ++m)
-    for (int64_t n = 0; n < ns; ++n)
-      store(sums[n * 16 + m] + (bias ? widen(bias[n0 + n]) : 0.0f), out + (m0 + m) * N + n0 + n);
+    amx_gemm::store_row16(_mm512_i32gather_ps(column, sums + m, 4), bias ? bias + n0 : nullptr,
+                          out + (m0 + m) * N + n0, ns);
 }
 
 inline void tile_store(int tile, float* sums) {  // _tile_stored takes a constant tile number
@@ -169,19 +172,13 @@ inline void tile_store(int tile, float* sums) {  // _tile_stored takes a constan
   }
 }
 
-// Sum tile `tile` (plus tile `also`, when >= 0) -> out's rows m0.., columns n0.. + bias.
-inline void flush(int tile, int also, const uint16_t* bias, uint16_t* out, int64_t m0,
-                  int64_t rows, int64_t n0, int64_t N) {
+// Sum tile `tile` -> out's rows m0.., columns n0.. + bias.
+inline void flush(int tile, const uint16_t* bias, uint16_t* out, int64_t m0, int64_t rows,
+                  int64_t n0, int64_t N) {
   if (m0 >= rows || n0 >= N) return;
-  alignas(64) float sums[2][16 * 16];
-  tile_store(tile, sums[0]);
-  if (also >= 0) {
-    tile_store(also, sums[1]);
-    for (int i = 0; i < 16 * 16; i += 16)
-      _mm512_store_ps(sums[0] + i,
-                      _mm512_add_ps(_mm512_load_ps(sums[0] + i), _mm512_load_ps(sums[1] + i)));
-  }
-  store_sums(sums[0], bias, out, m0, rows, n0, N);
+  alignas(64) float sums[16 * 16];
+  tile_store(tile, sums);
+  store_sums(sums, bias, out, m0, rows, n0, N);
 }
 
 // The panel buf (weight rows n0 .. n0 + 31, dequantized) times every row of x (packed: xp).
@@ -208,11 +205,11 @@ inline void panel_product(const uint16_t* buf, const uint16_t* xp, const uint16_
         _tile_dpbf16ps(3, 5, 7);
       }
     }
-    flush(0, -1, bias, out, 16 * t, rows, n0, N);
-    flush(1, -1, bias, out, 16 * t, rows, n0 + 16, N);
+    flush(0, bias, out, 16 * t, rows, n0, N);
+    flush(1, bias, out, 16 * t, rows, n0 + 16, N);
     if (two) {
-      flush(2, -1, bias, out, 16 * (t + 1), rows, n0, N);
-      flush(3, -1, bias, out, 16 * (t + 1), rows, n0 + 16, N);
+      flush(2, bias, out, 16 * (t + 1), rows, n0, N);
+      flush(3, bias, out, 16 * (t + 1), rows, n0 + 16, N);
     }
   }
 }
