@@ -171,7 +171,7 @@ def test_rows_by_weight_format(pair: tuple[Worker, Worker]) -> None:
     model = pair[0].runner.model
     built = fused_decode.build(model, pair[0].runner.backend, -1)
     amx = any(isinstance(m, Linear) and m.amx is not None for m in model.modules())
-    rows = cpu_ops.AMX_ROWS if amx else fused_decode.DENSE_ROWS  # AMX CPUs: on both paths
+    rows = fused_decode.AMX_ROWS if amx else fused_decode.DENSE_ROWS  # AMX CPUs: on both paths
     assert built is not None and built.max_rows == rows
 
 

@@ -61,10 +61,6 @@ _SIGNATURES: dict[str, list[Any]] = {
 }  # fmt: skip
 # Up to this many rows the bf16 GEMM beats oneDNN's float32 one over an upcast copy (AVX2).
 SMALL_GEMM_ROWS = 8
-# Up to this many rows the AMX GEMM beats oneDNN's packed bf16 one (and the few-row GEMM at
-# any rows): 9.1 vs 14.8 ms a step of the default model's layers at 1 row, 11.3 vs 16.8 at
-# 32, 16.5 vs 18.4 at 64, a tie at 96 (Xeon with AMX, 2 threads).
-AMX_ROWS = 64
 EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
 AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kAmxRows)
 

@@ -27,7 +27,7 @@ from worker_service.attention import cpu_kernel, kv_quant, kv_rotation
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.models.context import get_attention_metadata
-from worker_service.models.cpu_ops import AMX_ROWS, DTYPES, SMALL_GEMM_ROWS, CpuOps
+from worker_service.models.cpu_ops import DTYPES, SMALL_GEMM_ROWS, CpuOps
 from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RowParallelLinear
 from worker_service.models.llama import (
     DecoderLayer,
@@ -39,10 +39,10 @@ from worker_service.models.llama import (
 log = logging.getLogger(__name__)
 
 # Decode rows up to which one call beats the layers' torch path, by weight format (measured
-# with benchmarks.decode_bench: the dense few-row GEMM loses to oneDNN's beyond a few rows,
-# the AMX GEMM beyond AMX_ROWS; GGUF blocks take the same GEMM either way, so only dispatch
-# differs).
+# with benchmarks.decode_bench: the dense few-row GEMM loses to oneDNN's beyond a few rows;
+# AMX tiles and GGUF blocks take the same GEMM on both paths, so only dispatch differs).
 DENSE_ROWS = SMALL_GEMM_ROWS
+AMX_ROWS = 64
 BLOCK_ROWS = 64
 MODELS = (LlamaForCausalLM, Qwen2ForCausalLM)  # exactly these: subclasses change the layers
 DENSE = -1  # TesseraLinear.type of a dense weight
