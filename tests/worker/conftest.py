@@ -25,6 +25,18 @@ def _base_text() -> str:
     return f"{unittest.__doc__}\n{sp.__doc__}"
 
 
+@pytest.fixture(scope="module")
+def amx_ops():
+    """The fused CPU ops where the CPU lends this process AMX tiles for bf16; else the test
+    skips and says so."""
+    from worker_service.models import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None or not ops.amx:
+        pytest.skip("needs a CPU with AMX tiles for bf16 (amx_tile, amx_bf16)")
+    return ops
+
+
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir: Path):
     from transformers import AutoTokenizer

@@ -20,14 +20,6 @@ SHAPES = [(1, 32), (17, 64), (33, 96), (960, 576), (576, 1536)]  # [N, K]: N tai
 ROWS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 70]  # tiles of 16 rows, passes of 32
 
 
-@pytest.fixture(scope="module")
-def ops() -> cpu_ops.CpuOps:
-    ops = cpu_ops.load()
-    if ops is None or not ops.amx:
-        pytest.skip("needs a CPU with AMX tiles for bf16 (amx_tile, amx_bf16)")
-    return ops
-
-
 def test_pack_amx_puts_pairs_of_k_in_tiles_of_16_columns() -> None:
     w = torch.arange(33 * 64, dtype=torch.float32).reshape(33, 64).bfloat16()
     packed = cpu_ops.pack_amx(w)
@@ -39,35 +31,35 @@ def test_pack_amx_puts_pairs_of_k_in_tiles_of_16_columns() -> None:
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_gemm_amx(ops: cpu_ops.CpuOps, rows: int, n: int, k: int) -> None:
+def test_gemm_amx(amx_ops: cpu_ops.CpuOps, rows: int, n: int, k: int) -> None:
     torch.manual_seed(rows * n + k)
     x, w, b = (torch.randn(*shape).bfloat16() for shape in ((rows, k), (n, k), (n,)))
     exact = x.double() @ w.double().T
     magnitude = x.double().abs() @ w.double().abs().T
     packed = cpu_ops.pack_amx(w)
-    _assert_float32_sums_rounded(ops.gemm_amx(x, packed, b, n), exact + b.double(), magnitude)
-    _assert_float32_sums_rounded(ops.gemm_amx(x, packed, None, n), exact, magnitude)
+    _assert_float32_sums_rounded(amx_ops.gemm_amx(x, packed, b, n), exact + b.double(), magnitude)
+    _assert_float32_sums_rounded(amx_ops.gemm_amx(x, packed, None, n), exact, magnitude)
 
 
-def test_a_rows_result_does_not_depend_on_the_others(ops: cpu_ops.CpuOps) -> None:
+def test_a_rows_result_does_not_depend_on_the_others(amx_ops: cpu_ops.CpuOps) -> None:
     """Each row's sums run over K in one order whatever the batch: alone = in 70 rows."""
     torch.manual_seed(0)
     x, w = torch.randn(70, 576).bfloat16(), torch.randn(960, 576).bfloat16()
     packed = cpu_ops.pack_amx(w)
-    batch = ops.gemm_amx(x, packed, None, 960)
+    batch = amx_ops.gemm_amx(x, packed, None, 960)
     for i in (0, 17, 69):
-        assert torch.equal(ops.gemm_amx(x[i : i + 1], packed, None, 960)[0], batch[i])
+        assert torch.equal(amx_ops.gemm_amx(x[i : i + 1], packed, None, 960)[0], batch[i])
 
 
-def test_gemm_amx_refuses_k_not_in_32s(ops: cpu_ops.CpuOps) -> None:
+def test_gemm_amx_refuses_k_not_in_32s(amx_ops: cpu_ops.CpuOps) -> None:
     x, packed = torch.zeros(2, 48).bfloat16(), torch.zeros(1, 2, 16, 16, 2).bfloat16()
     with pytest.raises(ValueError, match="gemm_amx"):
-        ops.gemm_amx(x, packed, None, 16)
+        amx_ops.gemm_amx(x, packed, None, 16)
 
 
 @pytest.mark.parametrize("rows", [1, 64, 65, 300])
 def test_bf16_linear_takes_amx_at_every_row_count(
-    ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch, rows: int
+    amx_ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
     calls: list[int] = []
     gemm = cpu_ops.CpuOps.gemm_amx
@@ -87,7 +79,7 @@ def test_bf16_linear_takes_amx_at_every_row_count(
     torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2)
 
 
-def test_a_linear_whose_k_is_not_in_32s_keeps_the_other_gemms(ops: cpu_ops.CpuOps) -> None:
+def test_a_linear_whose_k_is_not_in_32s_keeps_the_other_gemms(amx_ops: cpu_ops.CpuOps) -> None:
     layer = Linear(48, 16).bfloat16()
     layer.pack(torch.bfloat16)
     assert layer.amx is None

@@ -24,14 +24,6 @@ ROWS = [
 SHAPES = {32: [(1, 32), (37, 96), (65, 576)], 256: [(33, 256), (70, 768)]}  # [N, K] by block
 
 
-@pytest.fixture(scope="module")
-def ops() -> cpu_ops.CpuOps:
-    ops = cpu_ops.load()
-    if ops is None or not ops.amx:
-        pytest.skip("needs a CPU with AMX tiles for bf16 (amx_tile, amx_bf16)")
-    return ops
-
-
 def _cases() -> list[tuple[int, int, int]]:
     return [
         (ggml_type, n, k)
@@ -45,13 +37,13 @@ def _cases() -> list[tuple[int, int, int]]:
     ("ggml_type", "n", "k"), _cases(), ids=lambda v: quant.TYPE_NAMES.get(v, str(v))
 )
 def test_tiles_multiply_the_weights_rounded_to_bf16(
-    ops: cpu_ops.CpuOps, ggml_type: int, rows: int, n: int, k: int
+    amx_ops: cpu_ops.CpuOps, ggml_type: int, rows: int, n: int, k: int
 ) -> None:
     torch.manual_seed(rows * n + k + ggml_type)
     blocks = random_blocks(ggml_type, n, k)
     x, b = torch.randn(rows, k).bfloat16(), torch.randn(n).bfloat16()
     w = quant.dequantize_blocks(blocks, ggml_type).bfloat16().double()
-    ours = ops.gemm_gguf(x, blocks, ggml_type, b, path=cpu_ops.FAST)
+    ours = amx_ops.gemm_gguf(x, blocks, ggml_type, b, path=cpu_ops.FAST)
     exact = x.double() @ w.T + b.double()
     magnitude = x.double().abs() @ w.abs().T + b.double().abs()
     # Output rounded once to bf16; float32 sums; a weight's bf16 rounding may differ by one
@@ -60,26 +52,28 @@ def test_tiles_multiply_the_weights_rounded_to_bf16(
     assert ((ours.double() - exact).abs() <= bound).all()
 
 
-def test_a_rows_result_does_not_depend_on_the_others(ops: cpu_ops.CpuOps) -> None:
+def test_a_rows_result_does_not_depend_on_the_others(amx_ops: cpu_ops.CpuOps) -> None:
     """On the tiles each row's sums run over K in one order whatever the batch."""
     torch.manual_seed(0)
     blocks = random_blocks(quant.Q4_1, 960, 576)
     x = torch.randn(70, 576).bfloat16()
-    batch = ops.gemm_gguf(x, blocks, quant.Q4_1, None, path=cpu_ops.FAST)
+    batch = amx_ops.gemm_gguf(x, blocks, quant.Q4_1, None, path=cpu_ops.FAST)
     few = cpu_ops.AMX_GGUF_ROWS
     for i in (0, 17, 70 - few):
-        alone = ops.gemm_gguf(x[i : i + few], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
+        alone = amx_ops.gemm_gguf(x[i : i + few], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
         assert torch.equal(alone, batch[i : i + few])
 
 
-def test_the_fast_path_takes_the_tiles_from_amx_gguf_rows(ops: cpu_ops.CpuOps) -> None:
+def test_the_fast_path_takes_the_tiles_from_amx_gguf_rows(amx_ops: cpu_ops.CpuOps) -> None:
     """Below AMX_GGUF_ROWS rows the fast path is int8 x (gguf_q8.h), from there the tiles,
     whose result differs from int8 x's."""
     torch.manual_seed(1)
     blocks = random_blocks(quant.Q8_0, 64, 576)
     x = torch.randn(cpu_ops.AMX_GGUF_ROWS, 576).bfloat16()
-    fast = ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.FAST)
-    int8 = ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.INT8)
+    fast = amx_ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.FAST)
+    int8 = amx_ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.INT8)
     assert not torch.equal(fast, int8)
-    fewer = ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.FAST)
-    assert torch.equal(fewer, ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.INT8))
+    fewer = amx_ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.FAST)
+    assert torch.equal(
+        fewer, amx_ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.INT8)
+    )
