@@ -85,3 +85,13 @@ def test_a_linear_whose_k_is_not_in_32s_keeps_the_other_gemms(amx_ops: cpu_ops.C
     assert layer.amx is None
     x = torch.randn(3, 48).bfloat16()
     torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float())
+
+
+def test_a_float32_input_runs_in_bf16_as_the_packed_path_did(amx_ops: cpu_ops.CpuOps) -> None:
+    layer = Linear(576, 64).bfloat16()
+    layer.pack(torch.bfloat16)
+    x = torch.randn(70, 576)
+    ours = layer(x)
+    assert ours.dtype == torch.float32
+    reference = F.linear(x.bfloat16().float(), layer.weight.float(), layer.bias.float())
+    torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2)

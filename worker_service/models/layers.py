@@ -131,11 +131,11 @@ class Linear(nn.Linear):
         """[n, in] -> [n, out] by the fastest kernel for n rows."""
         if self.quant is not None:
             return self.quant.linear(x, self.bias)
-        if self.amx is not None and x.dtype == torch.bfloat16 and x.numel() > 0:
+        if self.amx is not None and x.numel() > 0:  # (x in bf16, as oneDNN's packed path)
             assert self.small_gemm is not None
-            flat = x.reshape(-1, x.shape[-1])  # [n, in]
+            flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [n, in]
             out = self.small_gemm.gemm_amx(flat, self.amx, self.bias, self.out_features)
-            return out.reshape(*x.shape[:-1], self.out_features)
+            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if self.small_gemm is not None and _few_bf16_rows(x, SMALL_GEMM_ROWS):
