@@ -237,21 +237,12 @@ void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint
 // 3 for a type it does not know.
 inline int gemm(int type, const uint16_t* x, const uint8_t* w, const uint16_t* bias,
                 uint16_t* out, int64_t rows, int64_t K, int64_t N, int num_threads) {
-  using namespace gguf_gemm;
-  const int64_t block = (type == Q4_K::kType || type == Q5_K::kType || type == Q6_K::kType)
-                            ? 256 : kGroup;  // fmt: skip
-  if (rows < 1 || K % block != 0) return 2;
-  switch (type) {
-    case Q4_0::kType: gemm_format<Q4_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q4_1::kType: gemm_format<Q4_1>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q5_0::kType: gemm_format<Q5_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q5_1::kType: gemm_format<Q5_1>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q8_0::kType: gemm_format<Q8_0>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q4_K::kType: gemm_format<Q4_K>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q5_K::kType: gemm_format<Q5_K>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    case Q6_K::kType: gemm_format<Q6_K>(x, w, bias, out, rows, K, N, num_threads); return 0;
-    default: return 3;
-  }
+  return gguf_gemm::with_format(type, [&](auto format) {
+    using F = decltype(format);
+    if (rows < 1 || K % (kGroup * F::kGroups) != 0) return 2;
+    gemm_format<F>(x, w, bias, out, rows, K, N, num_threads);
+    return 0;
+  });
 }
 
 }  // namespace amx_gguf

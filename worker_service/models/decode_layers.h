@@ -137,14 +137,18 @@ void write_kv(const TesseraDecodeShape& d, const T* heads, void* pool, int64_t s
   }
   const int64_t width = dim + kScaleElems<int8_t>;  // bytes of a head row
   auto* rows = static_cast<uint8_t*>(pool) + slot * d.kv_heads * width;
-  std::vector<T> row(dim);
+  T rotated[1024];  // fused_decode.py fuses a rotated pool only for heads of <= 1024
   for (int64_t h = 0; h < d.kv_heads; ++h) {
-    std::memcpy(row.data(), heads + h * dim, dim * sizeof(T));
-    if (key && d.rotate) kv_write::hadamard(row.data(), dim);
+    const T* head = heads + h * dim;
+    if (key && d.rotate) {
+      std::memcpy(rotated, head, dim * sizeof(T));
+      kv_write::hadamard(rotated, dim);
+      head = rotated;
+    }
     if (d.cache_dtype == 2)
-      kv_write::quantize_row(row.data(), dim, reinterpret_cast<int8_t*>(rows + h * width));
+      kv_write::quantize_row(head, dim, reinterpret_cast<int8_t*>(rows + h * width));
     else
-      kv_write::quantize_row(row.data(), dim, reinterpret_cast<Fp8E4M3*>(rows + h * width));
+      kv_write::quantize_row(head, dim, reinterpret_cast<Fp8E4M3*>(rows + h * width));
   }
 }
 

@@ -264,4 +264,21 @@ struct Q6_K {
   };
 };
 
+// f(F{}) for the format F of ggml type `type` (f's status), or 3 for a type it does not know:
+// the one switch over the block formats, for each GEMM that runs them.
+template <typename Fn>
+int with_format(int type, const Fn& f) {
+  switch (type) {
+    case Q4_0::kType: return f(Q4_0{});
+    case Q4_1::kType: return f(Q4_1{});
+    case Q5_0::kType: return f(Q5_0{});
+    case Q5_1::kType: return f(Q5_1{});
+    case Q8_0::kType: return f(Q8_0{});
+    case Q4_K::kType: return f(Q4_K{});
+    case Q5_K::kType: return f(Q5_K{});
+    case Q6_K::kType: return f(Q6_K{});
+    default: return 3;
+  }
+}
+
 }  // namespace gguf_gemm

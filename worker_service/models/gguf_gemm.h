@@ -85,17 +85,9 @@ int gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t 
 template <typename TX>
 int gemm(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows,
          int64_t K, int64_t N, int num_threads) {
-  switch (type) {
-    case Q4_0::kType: return gemm_format<Q4_0>(x, w, bias, out, rows, K, N, num_threads);
-    case Q4_1::kType: return gemm_format<Q4_1>(x, w, bias, out, rows, K, N, num_threads);
-    case Q5_0::kType: return gemm_format<Q5_0>(x, w, bias, out, rows, K, N, num_threads);
-    case Q5_1::kType: return gemm_format<Q5_1>(x, w, bias, out, rows, K, N, num_threads);
-    case Q8_0::kType: return gemm_format<Q8_0>(x, w, bias, out, rows, K, N, num_threads);
-    case Q4_K::kType: return gemm_format<Q4_K>(x, w, bias, out, rows, K, N, num_threads);
-    case Q5_K::kType: return gemm_format<Q5_K>(x, w, bias, out, rows, K, N, num_threads);
-    case Q6_K::kType: return gemm_format<Q6_K>(x, w, bias, out, rows, K, N, num_threads);
-    default: return 3;
-  }
+  return with_format(type, [&](auto format) {
+    return gemm_format<decltype(format)>(x, w, bias, out, rows, K, N, num_threads);
+  });
 }
 
 }  // namespace gguf_gemm
