@@ -77,3 +77,22 @@ def hf_embeddings(
                 pooled = torch.nn.functional.normalize(pooled, dim=0)
             results.append(pooled)
     return results
+
+
+# float32, but not HF's summation order: oneDNN's packed GEMMs and Tessera's kernels block
+# their reductions by CPU (AVX2 / AVX-512 / AMX) and row count, MKL under HF by its own
+# choice, and over 30 layers the last digits drift. Seen up to 1.5e-5 on a unit vector on
+# one CPU (1.4e-6 on another); elements are ~4e-2, and a wrong kernel misses by far more.
+EMBEDDING_TOLERANCE = 1e-4
+
+
+def assert_embeddings_close(got: list[Any], want: list[torch.Tensor]) -> None:
+    """Each vector of `got` (lists or tensors) within EMBEDDING_TOLERANCE of `want`'s, in
+    max |diff|, relative to the vector's largest element where that is above 1."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g = torch.as_tensor(g, dtype=torch.float32)
+        assert g.shape == w.shape, f"input {i}: {tuple(g.shape)} vs {tuple(w.shape)}"
+        err = (g - w).abs().max().item()
+        scale = max(1.0, w.abs().max().item())  # unnormalized vectors: relative to their size
+        assert err < EMBEDDING_TOLERANCE * scale, f"input {i}: max |diff| {err:.2e} ({scale=:.1f})"

@@ -1,4 +1,5 @@
-"""LLM.embed against HF `AutoModel` hidden states pooled the same way (fp32, within 1e-5).
+"""LLM.embed against HF `AutoModel` hidden states pooled the same way (fp32, within
+tests.hf_reference.EMBEDDING_TOLERANCE).
 
 The default model (a decoder, no sentence-transformers files: last token + normalize) and
 tiny random Llamas with a sentence-transformers config written beside them (MEAN, CLS, MAX
@@ -18,10 +19,9 @@ import torch
 
 from tessera import LLM, EmbeddingRequestOutput, PoolingParams
 from tessera.prompts import TokensPrompt
-from tests.hf_reference import hf_embeddings
+from tests.hf_reference import assert_embeddings_close, hf_embeddings
 from tests.worker.test_qwen_models import TINY
 
-TOLERANCE = 1e-5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -41,15 +41,6 @@ def _tiny_ids() -> list[list[int]]:
 
 def _vectors(outputs: list[EmbeddingRequestOutput]) -> list[torch.Tensor]:
     return [torch.tensor(o.outputs.embedding) for o in outputs]
-
-
-def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.shape == w.shape, f"input {i}: {tuple(g.shape)} vs {tuple(w.shape)}"
-        err = (g - w).abs().max().item()
-        scale = max(1.0, w.abs().max().item())  # unnormalized vectors: relative to their size
-        assert err < TOLERANCE * scale, f"input {i}: max |diff| {err:.2e} (scale {scale:.1f})"
 
 
 def _assert_no_leaks(llm: LLM) -> None:
@@ -78,7 +69,7 @@ def test_default_model_last_token_matches_hf(default_llm: LLM, default_model_dir
     assert max(map(len, ids)) > 200 and min(map(len, ids)) <= 2
     assert ids == [default_llm.tokenizer.encode(t) for t in texts]
     assert [o.request_id for o in outputs] == sorted({o.request_id for o in outputs}, key=int)
-    _assert_close(_vectors(outputs), hf_embeddings(default_model_dir, ids, "LAST", True))
+    assert_embeddings_close(_vectors(outputs), hf_embeddings(default_model_dir, ids, "LAST", True))
     _assert_no_leaks(default_llm)
 
 
@@ -95,8 +86,8 @@ def test_last_token_pooling_with_prefix_cache_hits(
     assert kv.prefix_hits - hits > 1000  # nearly every block of the second pass
     ids = [o.prompt_token_ids for o in second]
     want = hf_embeddings(default_model_dir, ids, "LAST", True)
-    _assert_close(_vectors(second), want)
-    _assert_close(_vectors(first), want)
+    assert_embeddings_close(_vectors(second), want)
+    assert_embeddings_close(_vectors(first), want)
     _assert_no_leaks(default_llm)
 
 
@@ -105,7 +96,7 @@ def test_default_model_options(default_llm: LLM, default_model_dir: Path) -> Non
     ids = [[1, 2, 3, 4, 5], [42] * 70]
     prompts: list[TokensPrompt] = [{"prompt_token_ids": p} for p in ids]
     raw = default_llm.embed(prompts, PoolingParams(normalize=False))
-    _assert_close(_vectors(raw), hf_embeddings(default_model_dir, ids, "LAST", False))
+    assert_embeddings_close(_vectors(raw), hf_embeddings(default_model_dir, ids, "LAST", False))
     with pytest.raises(ValueError, match="does not support matryoshka"):
         default_llm.embed("hello", PoolingParams(dimensions=8))
     with pytest.raises(ValueError, match="runner"):
@@ -163,11 +154,17 @@ def test_sentence_transformers_pooling_matches_hf(
         kv_cache_memory="64MiB",
     )
     try:
-        _assert_close(_vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, pooling, True))
+        assert_embeddings_close(
+            _vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, pooling, True)
+        )
         short = llm.embed(ids[:5], PoolingParams(dimensions=16))
-        _assert_close(_vectors(short), hf_embeddings(model_dir, ids[:5], pooling, True, 16))
+        assert_embeddings_close(
+            _vectors(short), hf_embeddings(model_dir, ids[:5], pooling, True, 16)
+        )
         raw = llm.embed(ids[-3:], PoolingParams(dimensions=32, normalize=False))
-        _assert_close(_vectors(raw), hf_embeddings(model_dir, ids[-3:], pooling, False, 32))
+        assert_embeddings_close(
+            _vectors(raw), hf_embeddings(model_dir, ids[-3:], pooling, False, 32)
+        )
         with pytest.raises(ValueError, match=r"only supports \[16, 32\]"):
             llm.embed(ids[:1], PoolingParams(dimensions=20))
         _assert_no_leaks(llm)
@@ -192,7 +189,9 @@ def test_preempted_pooling_requests_start_their_pool_afresh(tmp_path: Path) -> N
     try:
         assert llm.engine.num_blocks == 16
         ids = [[(11 * i + 5 * k + 3) % 320 for i in range(150 + k)] for k in range(16)]
-        _assert_close(_vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, "MEAN", True))
+        assert_embeddings_close(
+            _vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, "MEAN", True)
+        )
         assert llm.engine.scheduler.num_preemptions > 0
         _assert_no_leaks(llm)
     finally:
@@ -212,7 +211,9 @@ def test_tensor_parallel_pooling_matches_hf(tmp_path: Path) -> None:
     )
     try:
         ids = _tiny_ids()
-        _assert_close(_vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, "MEAN", True))
+        assert_embeddings_close(
+            _vectors(llm.embed(ids)), hf_embeddings(model_dir, ids, "MEAN", True)
+        )
         _assert_no_leaks(llm)
     finally:
         llm.shutdown()

@@ -1,8 +1,8 @@
 """/v1/embeddings through `tessera serve --runner pooling` with the default model in float32,
 driven by the official openai client: float and base64 vectors of strings and token ids
-equal HF's (AutoModel last_hidden_state, last token, normalized) within 1e-5; bad input
-(empty, too long, wrong model, dimensions of a non-Matryoshka model, completions of a
-pooling server) is OpenAI's 400 / 404; concurrent requests are batched; nothing is left
+equal HF's (AutoModel last_hidden_state, last token, normalized) within
+tests.hf_reference.EMBEDDING_TOLERANCE; bad input (empty, too long, wrong model, dimensions
+of a non-Matryoshka model, completions of a pooling server) is OpenAI's 400 / 404; concurrent requests are batched; nothing is left
 in the scheduler afterwards; the gRPC Embed RPC gives the same vectors."""
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from benchmarks.stack import Stack, start_stack
 from services.grpc_utils import sync_channel
 from services.pb import generate_pb2 as pb
 from services.pb import generate_pb2_grpc as pb_grpc
-from tests.hf_reference import hf_embeddings
+from tests.hf_reference import assert_embeddings_close, hf_embeddings
 from tests.stack.test_serve_e2e import scheduler_stats, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,6 @@ TEXTS = [
     "Paged attention stores keys and values in fixed-size blocks. " * 12,
     "embeddings",
 ]
-TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +48,6 @@ def client(stack: Stack) -> Any:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
 
 
-def _close(got: list[list[float]], want: list[Any]) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        err = float(np.abs(np.asarray(g, dtype=np.float32) - np.asarray(w)).max())
-        assert err < TOLERANCE, f"input {i}: max |diff| {err:.2e}"
-
-
 def _ids(stack: Stack, text: str) -> list[int]:
     return list(httpx.post(f"{stack.base_url}/tokenize", json={"prompt": text}).json()["tokens"])
 
@@ -67,20 +60,24 @@ def test_strings_float_and_base64_equal_hf(
     ids = [_ids(stack, t) for t in TEXTS]
     assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, ids))
     want = hf_embeddings(default_model_dir, ids, "LAST", True)
-    _close([d.embedding for d in reply.data], want)
+    assert_embeddings_close([d.embedding for d in reply.data], want)
     encoded = client.embeddings.create(model="", input=TEXTS, encoding_format="base64")
     raw = [np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in encoded.data]
-    _close([r.tolist() for r in raw], want)
+    assert_embeddings_close([r.tolist() for r in raw], want)
     one = client.embeddings.create(model=reply.model, input=TEXTS[1], user="someone")
-    _close([one.data[0].embedding], want[1:2])
+    assert_embeddings_close([one.data[0].embedding], want[1:2])
 
 
 def test_token_ids_equal_hf(client: Any, default_model_dir: Path) -> None:
     ids = [[1, 2, 3, 4], [42] * 300, [7]]
     reply = client.embeddings.create(model="", input=ids)
-    _close([d.embedding for d in reply.data], hf_embeddings(default_model_dir, ids, "LAST"))
+    assert_embeddings_close(
+        [d.embedding for d in reply.data], hf_embeddings(default_model_dir, ids, "LAST")
+    )
     single = client.embeddings.create(model="", input=ids[0])
-    _close([single.data[0].embedding], hf_embeddings(default_model_dir, ids[:1], "LAST"))
+    assert_embeddings_close(
+        [single.data[0].embedding], hf_embeddings(default_model_dir, ids[:1], "LAST")
+    )
 
 
 def _bad(client: Any, **kwargs: Any) -> dict[str, Any]:
@@ -119,7 +116,7 @@ def test_concurrent_requests_are_batched(client: Any, stack: Stack) -> None:
         replies = list(pool.map(lambda t: client.embeddings.create(model="", input=t), texts))
     alone = client.embeddings.create(model="", input=texts)
     for i, reply in enumerate(replies):
-        _close([reply.data[0].embedding], [np.asarray(alone.data[i].embedding)])
+        assert_embeddings_close([reply.data[0].embedding], [torch.tensor(alone.data[i].embedding)])
     stats = wait_idle(stack, 10)
     assert stats.num_steps - steps_before < 16 + 1, "16 concurrent requests took 16 steps"
     assert (stats.num_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0), stats
@@ -132,7 +129,7 @@ def test_grpc_embed_equals_rest(client: Any, stack: Stack) -> None:
         reply = stub.Embed(pb.EmbedRequest(texts=TEXTS[:2], request_id="mine"), timeout=60)
         assert reply.id == "mine" and reply.usage.prompt_tokens == rest.usage.prompt_tokens
         got = [list(e.values) for e in reply.embeddings]
-        _close(got, [np.asarray(d.embedding) for d in rest.data])
+        assert_embeddings_close(got, [torch.tensor(d.embedding) for d in rest.data])
         tokens = stub.Embed(pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=[1, 2, 3])]))
         assert len(tokens.embeddings[0].values) == 576
         for bad in (
