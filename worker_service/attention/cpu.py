@@ -9,8 +9,10 @@ Plan per step (built once, shared by all layers):
   [group, kv_heads, max_seq, head_dim] batch with a key-padding mask (no mask
   when the lengths are equal). Grouping by length keeps the padding small;
 - every other request (a prefill chunk, possibly after a cached prefix) is one
-  SDPA call with a causal mask offset by its cached length (`is_causal` when
-  there is no prefix).
+  call of the AMX prefill kernel (`cpu_kernel.paged_prefill`: bf16, no sliding
+  window, CPUs with AMX tiles), which reads K/V in place from the pool, or else one
+  SDPA call over its gathered K/V with a causal mask offset by its cached length
+  (`is_causal` when there is no prefix).
 There is no per-token Python loop; the loop is per prefill request.
 
 Batch-invariant mode (--deterministic, `make_batch_invariant`): every new token, prefill or
@@ -45,8 +47,9 @@ class _Prefill:
     start: int  # first token row
     end: int
     seq_len: int
-    blocks: torch.Tensor  # [num_blocks] block ids covering seq_len
+    blocks: torch.Tensor  # [num_blocks] int32 block ids covering seq_len
     mask: torch.Tensor | None  # [query_len, seq_len] bool; None means is_causal
+    window: int  # the sliding window the mask keeps (0: none)
 
 
 @dataclass
@@ -73,6 +76,9 @@ class CpuAttentionBackend(AttentionBackend):
         self._plans: dict[int, _Plan] = {}  # by sliding window (0: none), for _plan_for
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
         self._kernel = cpu_kernel.load() if decode_kernel else None
+        # The AMX prefill kernel (bf16 prompts), in the same library.
+        tiles = self._kernel is not None and cpu_kernel.prefill_tiles(self._kernel)
+        self._prefill_kernel = self._kernel if tiles else None
         self._reference = ReferenceAttentionBackend()
         self.split_tokens = 0  # > 0: batch-invariant mode (make_batch_invariant)
 
@@ -82,8 +88,10 @@ class CpuAttentionBackend(AttentionBackend):
         return self._kernel is not None and self.fold_gqa
 
     def match_hf_kernels(self) -> None:
-        """HF's decode call (enable_gqa, one query row): folding rounds bf16 differently."""
+        """HF's decode call (enable_gqa, one query row): folding rounds bf16 differently; and
+        its prefill call (SDPA), which sums in another order than the AMX prefill kernel."""
         self.fold_gqa = False
+        self._prefill_kernel = None
 
     def make_batch_invariant(self) -> None:
         """Every token a kernel row with fixed KV splits; needs the C++ kernel (module doc)."""
@@ -192,6 +200,10 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         kv_heads, head_dim = k_cache.shape[2], query.shape[2]
+        if self._prefill_kernel and _kernel_prefills(query, k_cache, p):
+            q = query.contiguous()
+            lib = self._prefill_kernel
+            return cpu_kernel.paged_prefill(lib, q, k_cache, v_cache, p.blocks, p.seq_len, scale)
         k = kv_quant.gather(k_cache, p.blocks, query.dtype).view(-1, kv_heads, head_dim)[
             : p.seq_len
         ]
@@ -316,11 +328,18 @@ def _decode_group(
     return _DecodeGroup(rows, table, max_seq, mask, contiguous)
 
 
+def _kernel_prefills(query: torch.Tensor, k_cache: torch.Tensor, p: _Prefill) -> bool:
+    """Whether the AMX prefill kernel takes this prefill: bf16 query and pool, no sliding
+    window, heads of 32..256 in steps of 32."""
+    bf16 = query.dtype == k_cache.dtype == torch.bfloat16
+    return bf16 and not p.window and query.shape[2] % 32 == 0 and query.shape[2] <= 256
+
+
 def _prefill_item(
     meta: AttentionMetadata, i: int, start: int, block_size: int, window: int
 ) -> _Prefill:
     query_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-    blocks = meta.block_table[i, : -(-seq_len // block_size)].long()
+    blocks = meta.block_table[i, : -(-seq_len // block_size)]
     mask = None
     windowed = 0 < window < seq_len
     if seq_len > query_len or windowed:  # a cached prefix: query j sees keys up to prefix + j
@@ -330,4 +349,4 @@ def _prefill_item(
         mask = k_pos <= q_pos
         if windowed:  # and only the last `window` of them
             mask &= k_pos > q_pos - window
-    return _Prefill(start, start + query_len, seq_len, blocks, mask)
+    return _Prefill(start, start + query_len, seq_len, blocks, mask, window if windowed else 0)

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "../models/bf16.h"
+#include "amx_prefill.h"
 #include "cpu_decode_blocks.h"
 
 namespace {
@@ -289,4 +290,38 @@ extern "C" int tessera_paged_decode(int dtype, int cache_dtype, const void* quer
   return dispatch_cache(cache_dtype, static_cast<const uint16_t*>(query), k_cache, v_cache,
                         static_cast<uint16_t*>(out), block_table, table_stride, seq_lens, reqs,
                         rows, num_decode, s, scale, num_threads);
+}
+
+// Whether tessera_paged_prefill runs here: this build has it (AVX512_BF16) and the process
+// has AMX tiles (the caller checks the CPU's flags first: asking for tiles needs them).
+extern "C" int tessera_prefill_tiles() {
+#if defined(__AVX512BF16__)
+  return amx_gemm::enable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// Causal prefill attention of one request's new rows (amx_prefill.h for layouts), bf16 only:
+// 0 done, 1 not in this build, 2 a shape it does not take, 3 no AMX tiles lent.
+extern "C" int tessera_paged_prefill(const void* query, const void* k_cache, const void* v_cache,
+                                     void* out, const int32_t* blocks, int64_t query_len,
+                                     int64_t seq_len, int64_t heads, int64_t kv_heads,
+                                     int64_t head_dim, int64_t block_size, float scale,
+                                     int num_threads) {
+#if defined(__AVX512BF16__)
+  if (!amx_gemm::lent() && !amx_gemm::enable()) return 3;
+  const amx_prefill::Shape s{heads, kv_heads, head_dim, block_size, query_len, seq_len, scale};
+  return amx_prefill::prefill(static_cast<const uint16_t*>(query),
+                              static_cast<const uint16_t*>(k_cache),
+                              static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out),
+                              blocks, s, num_threads)
+             ? 0
+             : 2;
+#else
+  (void)query, (void)k_cache, (void)v_cache, (void)out, (void)blocks, (void)query_len;
+  (void)seq_len, (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)scale;
+  (void)num_threads;
+  return 1;
+#endif
 }

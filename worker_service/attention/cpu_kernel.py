@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from worker_service import native
+from worker_service.cpu_kernels import read_cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,12 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,  # table_stride
     *[ctypes.c_void_p] * 3,  # seq_lens, reqs, rows
     *[ctypes.c_int64] * 7,  # num_decode, heads, kv_heads, head_dim, block_size, window, split
+    ctypes.c_float,  # scale
+    ctypes.c_int,  # num_threads
+]
+_PREFILL_ARGTYPES: list[Any] = [
+    *[ctypes.c_void_p] * 5,  # query, k_cache, v_cache, out, blocks
+    *[ctypes.c_int64] * 6,  # query_len, seq_len, heads, kv_heads, head_dim, block_size
     ctypes.c_float,  # scale
     ctypes.c_int,  # num_threads
 ]
@@ -54,7 +61,15 @@ def build(level: str | None = None) -> ctypes.CDLL:
     lib = native.build(SOURCE, level)
     lib.tessera_paged_decode.argtypes = _ARGTYPES
     lib.tessera_paged_decode.restype = ctypes.c_int
+    lib.tessera_paged_prefill.argtypes = _PREFILL_ARGTYPES
+    lib.tessera_paged_prefill.restype = ctypes.c_int
     return lib
+
+
+def prefill_tiles(lib: ctypes.CDLL) -> bool:
+    """Whether `paged_prefill` runs here: the AVX512_BF16 build on a CPU with AMX tiles."""
+    flags = read_cpu_info().flags
+    return {"amx_tile", "amx_bf16"} <= flags and lib.tessera_prefill_tiles() == 1
 
 
 @dataclass(frozen=True)
@@ -107,3 +122,30 @@ def paged_decode(
     )  # fmt: skip
     if status:
         raise ValueError(f"paged decode kernel rejected its arguments (status {status})")
+
+
+def paged_prefill(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,  # [query_len, heads, head_dim] bf16: one request's new rows
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,  # [ceil(seq_len / block_size)] int32: the request's block ids
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """[query_len, heads, head_dim]: causal attention of the request's last query_len tokens
+    over its seq_len cached ones, on AMX tiles (amx_prefill.h; needs prefill_tiles)."""
+    for t in (query, k_cache, v_cache, blocks):
+        assert t.is_contiguous() and t.device.type == "cpu"
+    assert query.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+    assert blocks.dtype == torch.int32 and blocks.numel() * k_cache.shape[1] >= seq_len
+    out = torch.empty_like(query)
+    (query_len, heads, head_dim), (_, block_size, kv_heads, _) = query.shape, k_cache.shape
+    status = lib.tessera_paged_prefill(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        blocks.data_ptr(), query_len, seq_len, heads, kv_heads, head_dim, block_size, scale,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"paged prefill kernel rejected its arguments (status {status})")
+    return out
