@@ -4,11 +4,14 @@
 //
 // Each KV head's K and V are first packed once per call into the tiles' pair layout (the
 // B side of the two products), shared by every query head of its GQA group and every query
-// tile. Then work items (query head, 16 query rows) run 32 keys at a time:
-//   scores S [16, 32] = Q [16, dim] K^T      two column tiles, dim / 32 tile products each
-//   online softmax per row (float32, scale applied, keys after the row's position masked)
-//   sums   O [16, dim] = O * alpha + P V     P rounded to bf16, as flash attention rounds it
-// and write O / l in bf16, rounded to nearest even.
+// tile. Then work items (query head, 16 query rows, 64 output dims) run 32 keys at a time:
+//   scores S [16, 32] = Q [16, dim] K^T   two column tiles, dim / 32 tile products each
+//   online softmax per row                float32, keys after the row's position masked
+//   sums   O [16, 64] += P V              in four tiles across steps; P rounded to bf16,
+//                                         as flash attention rounds it
+// and write O / l in bf16, rounded to nearest even. O stays in its tiles: it is rescaled
+// only when a row's max passes the running max by a slack (softmax_step). Heads of more
+// than 64 dims take one work item per 64 dims, each computing the scores again.
 //
 // Layouts (row-major, elements): query, out [query_len, heads, dim] (the request's rows);
 // k/v cache [num_blocks, block_size, kv_heads, dim] bf16; blocks [ceil(seq_len / block_size)]
@@ -37,7 +40,7 @@ constexpr int64_t kRows = 16;      // query rows per work item
 constexpr int64_t kKeys = 32;      // keys per step: two score tiles, one P V tile depth
 constexpr int64_t kTile = 16 * 32;  // bf16 values of one packed B tile
 constexpr int64_t kChunk = 64;     // output dims per pass: four column tiles of sums
-constexpr float kSlack = 8.f;      // how far a score may pass the running max (softmax_step)
+constexpr float kSlack = 8.f;      // how far (log2) a score may pass the running max (softmax_step)
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, query_len, seq_len;
@@ -96,24 +99,25 @@ inline void pack_step(const uint16_t* k_cache, const uint16_t* v_cache, const in
   }
 }
 
-// exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), |r| <= ln2 / 2.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), 0);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+// 2^t for t <= 0 (scores minus their running max, in log2 units): 2^n * p(f), |f| <= 1/2.
+inline __m512 exp2_ps(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, 0), f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.333355815e-3f);
+  for (float c : {9.618129108e-3f, 5.550410866e-2f, 0.2402265070f, 0.6931471806f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax state and sums of one work item's 16 rows.
+// Softmax state and sums of one work item's 16 rows. Scores are kept in log2 units (times
+// scale * log2 e), so that a weight is one 2^x.
 struct Rows {
   alignas(64) uint16_t q[kRows * 256];  // the rows' queries, zero-padded, [16, dim]
   alignas(64) float scores[kRows * kKeys];
   alignas(64) uint16_t p[kRows * kKeys];
   alignas(64) float o[kRows * kChunk];  // the sums' tiles when they are rescaled or read
-  float m[kRows], l[kRows], top[kRows];
+  alignas(64) float l[kRows * 16];      // each row's sum of weights, in 16 lanes
+  float m[kRows];                       // each row's running max
 };
 
 // The sums of n (2 or 4) column tiles live in tiles 2.. across steps (the intrinsics take
@@ -155,11 +159,12 @@ inline void add_weighted(int n, const uint16_t* v) {  // sums += P (tile 6) x v'
   }
 }
 
-// Rows' sums times alpha (where the running max moved): through memory, then back.
+// Rows' sums and weight totals times alpha (where the running max moved).
 inline void rescale(Rows& w, int n, const float* alpha) {
   store_sums(n, w.o);
   for (int64_t r = 0; r < kRows; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
+    _mm512_store_ps(w.l + r * 16, _mm512_mul_ps(_mm512_load_ps(w.l + r * 16), a));
     for (int j = 0; j < n; ++j) {
       float* o = w.o + r * kChunk + 16 * j;
       _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), a));
@@ -168,47 +173,57 @@ inline void rescale(Rows& w, int n, const float* alpha) {
   load_sums(n, w.o);
 }
 
+// Every row's running max brought up to this step's scores (log2 units); the sums rescaled.
+inline void move_max(Rows& w, int n, __m512 c, bool first) {
+  float alpha[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const float* sr = w.scores + r * kKeys;
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_load_ps(sr), _mm512_load_ps(sr + 16))) * c[0];
+    const float m = std::max(w.m[r], top);
+    alpha[r] = exp2f(w.m[r] - m);  // 0 from m = -inf
+    w.m[r] = m;
+  }
+  if (!first) rescale(w, n, alpha);
+}
+
 // Scores of keys [32 st, 32 st + 32) (tiles 0, 1) -> bf16 weights in w.p, m and l updated.
-// Row r sees keys up to pos0 + r. The running max m moves only when a score passes it by
-// kSlack (weights up to e^kSlack are exact enough in float32 sums and bf16 weights), so the
+// Row r sees keys up to pos0 + r. The running max moves only when a score passes it by
+// kSlack (weights up to 2^kSlack are exact enough in float32 sums and bf16 weights), so the
 // sums in the tiles are rarely rescaled.
 inline void softmax_step(Rows& w, int64_t st, int64_t pos0, float scale, int n) {
   _tile_stored(0, w.scores, kKeys * 4);
   _tile_stored(1, w.scores + 16, kKeys * 4);
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504f), minus_inf = _mm512_set1_ps(-INFINITY);
+  const bool diagonal = st * kKeys + kKeys - 1 > pos0;  // some row sees only some keys
   const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(int(st * kKeys)), _mm512_set_epi32(
       15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
   const __m512i key16 = _mm512_add_epi32(key, _mm512_set1_epi32(16));
-  const __m512 scale_v = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
   __mmask16 keep[kRows][2];
-  bool moved = false;
+  __mmask16 moved = 0;
   for (int64_t r = 0; r < kRows; ++r) {
-    const __m512i pos = _mm512_set1_epi32(int(pos0 + r));
-    keep[r][0] = _mm512_cmple_epi32_mask(key, pos);
-    keep[r][1] = _mm512_cmple_epi32_mask(key16, pos);
     float* sr = w.scores + r * kKeys;
-    const __m512 s0 = _mm512_mask_mul_ps(minus_inf, keep[r][0], _mm512_load_ps(sr), scale_v);
-    const __m512 s1 = _mm512_mask_mul_ps(minus_inf, keep[r][1], _mm512_load_ps(sr + 16), scale_v);
-    _mm512_store_ps(sr, s0);
-    _mm512_store_ps(sr + 16, s1);
-    w.top[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-    moved |= w.top[r] > w.m[r] + kSlack;
-  }
-  if (moved) {  // every row's max brought up to date (0 for the first step's sums)
-    float alpha[kRows];
-    for (int64_t r = 0; r < kRows; ++r) {
-      const float m = std::max(w.m[r], w.top[r]);
-      alpha[r] = m > w.m[r] ? expf(w.m[r] - m) : 1.f;
-      w.l[r] *= alpha[r];
-      w.m[r] = m;
+    __m512 s0 = _mm512_load_ps(sr), s1 = _mm512_load_ps(sr + 16);
+    keep[r][0] = keep[r][1] = 0xFFFF;
+    if (diagonal) {
+      const __m512i pos = _mm512_set1_epi32(int(pos0 + r));
+      keep[r][0] = _mm512_cmple_epi32_mask(key, pos);
+      keep[r][1] = _mm512_cmple_epi32_mask(key16, pos);
+      s0 = _mm512_mask_mov_ps(minus_inf, keep[r][0], s0);
+      s1 = _mm512_mask_mov_ps(minus_inf, keep[r][1], s1);
+      _mm512_store_ps(sr, s0);
+      _mm512_store_ps(sr + 16, s1);
     }
-    if (st > 0) rescale(w, n, alpha);
+    const __m512 limit = _mm512_set1_ps(w.m[r] + kSlack);
+    moved |= _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_max_ps(s0, s1), c), limit, _CMP_GT_OQ);
   }
+  if (moved) move_max(w, n, c, st == 0);
   for (int64_t r = 0; r < kRows; ++r) {
     const __m512 m = _mm512_set1_ps(w.m[r]);
     const float* sr = w.scores + r * kKeys;
-    const __m512 p0 = _mm512_maskz_mov_ps(keep[r][0], exp_ps(_mm512_sub_ps(_mm512_load_ps(sr), m)));
-    const __m512 p1 = _mm512_maskz_mov_ps(keep[r][1], exp_ps(_mm512_sub_ps(_mm512_load_ps(sr + 16), m)));
-    w.l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    const __m512 p0 = _mm512_maskz_mov_ps(keep[r][0], exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(sr), c, m)));
+    const __m512 p1 = _mm512_maskz_mov_ps(keep[r][1], exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(sr + 16), c, m)));
+    float* l = w.l + r * 16;
+    _mm512_store_ps(l, _mm512_add_ps(_mm512_load_ps(l), _mm512_add_ps(p0, p1)));
     _mm512_store_si512(w.p + r * kKeys, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
   }
 }
@@ -224,7 +239,7 @@ inline void attend(const uint16_t* query, const uint16_t* kp, const uint16_t* vp
   for (int64_t r = 0; r < rows; ++r)
     std::copy_n(query + (j0 + r) * row_stride + hq * dim, dim, w.q + r * dim);
   std::fill(w.m, w.m + kRows, -INFINITY);
-  std::fill(w.l, w.l + kRows, 0.f);
+  std::fill(w.l, w.l + kRows * 16, 0.f);
   zero_sums(n);
   const int64_t steps = (pos0 + rows - 1) / kKeys + 1;
   for (int64_t st = 0; st < steps; ++st) {
@@ -245,7 +260,7 @@ inline void attend(const uint16_t* query, const uint16_t* kp, const uint16_t* vp
   store_sums(n, w.o);
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* dst = out + (j0 + r) * row_stride + hq * dim + c0;
-    const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(w.l + r * 16)));
     for (int j = 0; j < n; ++j)
       amx_gemm::store_row16(_mm512_mul_ps(_mm512_load_ps(w.o + r * kChunk + 16 * j), inv),
                             nullptr, dst + 16 * j, 16);
