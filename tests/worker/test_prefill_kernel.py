@@ -1,8 +1,9 @@
 """The AMX prefill attention kernel (amx_prefill.h) against dense causal attention in float32:
-through the CPU backend (prompts, chunks after a cached prefix, several per step) and called
-alone at long contexts; GQA groups 1-8, head sizes 32-256, block sizes 8-32, query tiles and
-key steps cut at every boundary. Unused pool slots hold NaN, so a read outside a request's
-K/V shows. Skipped, and says so, where the CPU has no AMX tiles."""
+through the CPU backend (prompts, chunks after a cached prefix, several per step), over
+bf16 and quantized pools (int8, fp8), and called alone at long contexts; GQA groups 1-8,
+head sizes 32-256, block sizes 8-32, query tiles and key steps cut at every boundary. Unused
+pool slots hold NaN, so a read outside a request's K/V shows. Skipped, and says so, where
+the CPU has no AMX tiles."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from benchmarks.attention_cases import build_case, dense_attention, tolerance
+from tests.worker.test_kv_quant import KV_DTYPES, quantized_case, run_backend
+from tests.worker.test_kv_quant import tolerance as quantized_tolerance
 from worker_service.attention import cpu_kernel
 from worker_service.attention.cpu import CpuAttentionBackend
 
@@ -43,6 +46,19 @@ def test_backend_prefills_match_dense(
     want = dense_attention(case)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), want, atol=tolerance(torch.bfloat16), rtol=0)
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_quantized_pools_match_dense(lib: ctypes.CDLL, kv: str, group: int, head_dim: int) -> None:
+    """int8 / fp8 pools (K Hadamard-rotated for int8) widened to bf16 as they are packed."""
+    case = quantized_case(PREFILLS, 2, group, head_dim, 16, torch.bfloat16, KV_DTYPES[kv])
+    backend = CpuAttentionBackend()
+    assert backend._prefill_kernel is lib
+    out = run_backend(backend, case)
+    tol = quantized_tolerance(torch.bfloat16)
+    torch.testing.assert_close(out.float(), dense_attention(case), atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize(

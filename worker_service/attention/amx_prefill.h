@@ -14,7 +14,9 @@
 // than 64 dims take one work item per 64 dims, each computing the scores again.
 //
 // Layouts (row-major, elements): query, out [query_len, heads, dim] (the request's rows);
-// k/v cache [num_blocks, block_size, kv_heads, dim] bf16; blocks [ceil(seq_len / block_size)]
+// k/v cache [num_blocks, block_size, kv_heads, dim] bf16, or quantized ([.., dim + 2]: int8 or
+// float8 e4m3fn values and a half scale per head row, kv_quant.h), widened to bf16 as they are
+// packed; blocks [ceil(seq_len / block_size)]
 // int32. Query row j sits at position seq_len - query_len + j and sees keys 0 ..= it.
 // dim must be a multiple of 32. Compiled in the AVX512_BF16 build with the AMX target
 // enabled for these functions only; the caller checks for tiles (amx_gemm::enable()).
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "../models/amx_gemm.h"
+#include "kv_quant.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
@@ -60,23 +63,35 @@ inline void configure() {
   _tile_loadconfig(&cfg);
 }
 
+// A head row of the pool as bf16: in place for a bf16 pool; a quantized one's (kv_quant.h)
+// values times its scale, rounded to bf16 into `buf` (as kv_quant.dequantize does).
+inline const uint16_t* bf16_row(const uint16_t* row, int64_t, uint16_t*) { return row; }
+template <typename C>
+inline const uint16_t* bf16_row(const C* row, int64_t dim, uint16_t* buf) {
+  const float scale = row_scale(row, dim);
+  for (int64_t d = 0; d < dim; ++d) store(widen(row[d]) * scale, buf + d);
+  return buf;
+}
+
 // KV head h's keys [32 st, 32 st + 32) packed (zero past seq_len):
 //   kp[2 st + u][half][r][c][e] = K[32 st + 16 u + c][32 half + 2 r + e]   (scores' B)
 //   vp[st][j][r][c][e]          = V[32 st + 2 r + e][16 j + c]             (P V's B)
-inline void pack_step(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks,
-                      const Shape& s, int64_t h, int64_t st, uint16_t* kp, uint16_t* vp) {
-  const int64_t dim = s.dim, halves = dim / 32, slot = s.kv_heads * dim;
-  alignas(64) uint16_t zero[256] = {};
-  auto row = [&](const uint16_t* cache, int64_t n) {
+template <typename C>
+void pack_step(const C* k_cache, const C* v_cache, const int32_t* blocks, const Shape& s,
+               int64_t h, int64_t st, uint16_t* kp, uint16_t* vp) {
+  const int64_t dim = s.dim, halves = dim / 32, width = dim + kScaleElems<C>;
+  const int64_t slot = s.kv_heads * width;
+  alignas(64) uint16_t zero[256] = {}, buf[2][256];
+  auto row = [&](const C* cache, int64_t n, uint16_t* into) {
     if (n >= s.seq_len) return static_cast<const uint16_t*>(zero);
-    return cache + (int64_t(blocks[n / s.block_size]) * s.block_size + n % s.block_size) * slot +
-           h * dim;
+    const int64_t at = int64_t(blocks[n / s.block_size]) * s.block_size + n % s.block_size;
+    return bf16_row(cache + at * slot + h * width, dim, into);
   };
   const __m512i across = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_set_epi32(
       15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));  // pair r -> row r of the tile
   uint16_t* k_step = kp + st * kKeys * dim;
   for (int64_t i = 0; i < kKeys; ++i) {  // key 32 st + i: its pairs down column i % 16
-    const uint16_t* k = row(k_cache, st * kKeys + i);
+    const uint16_t* k = row(k_cache, st * kKeys + i, buf[0]);
     uint16_t* tile = k_step + (i / 16) * halves * kTile;
     for (int64_t half = 0; half < halves; ++half)
       _mm512_i32scatter_epi32(tile + half * kTile + 2 * (i % 16), across,
@@ -88,8 +103,8 @@ inline void pack_step(const uint16_t* k_cache, const uint16_t* v_cache, const in
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   uint16_t* v_step = vp + st * kKeys * dim;
   for (int64_t r = 0; r < 16; ++r) {
-    const uint16_t* a = row(v_cache, st * kKeys + 2 * r);
-    const uint16_t* b = row(v_cache, st * kKeys + 2 * r + 1);
+    const uint16_t* a = row(v_cache, st * kKeys + 2 * r, buf[0]);
+    const uint16_t* b = row(v_cache, st * kKeys + 2 * r + 1, buf[1]);
     for (int64_t d = 0; d < dim; d += 32) {  // dims [d, d + 32): column tiles d/16, d/16 + 1
       const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
       _mm512_storeu_si512(v_step + (d / 16) * kTile + r * 32, _mm512_permutex2var_epi16(x, lo, y));
@@ -267,9 +282,11 @@ inline void attend(const uint16_t* query, const uint16_t* kp, const uint16_t* vp
   }
 }
 
-// The whole call; false where the shape is not one it takes.
-inline bool prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
-                    uint16_t* out, const int32_t* blocks, const Shape& s, int num_threads) {
+// The whole call over a pool of C (bf16, or quantized: kv_quant.h); false where the shape is
+// not one it takes.
+template <typename C>
+bool prefill(const uint16_t* query, const C* k_cache, const C* v_cache, uint16_t* out,
+             const int32_t* blocks, const Shape& s, int num_threads) {
   if (s.dim % 32 != 0 || s.dim > 256 || s.heads % s.kv_heads != 0 || s.query_len < 1 ||
       s.seq_len < s.query_len)
     return false;

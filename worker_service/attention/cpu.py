@@ -9,8 +9,9 @@ Plan per step (built once, shared by all layers):
   [group, kv_heads, max_seq, head_dim] batch with a key-padding mask (no mask
   when the lengths are equal). Grouping by length keeps the padding small;
 - every other request (a prefill chunk, possibly after a cached prefix) is one
-  call of the AMX prefill kernel (`cpu_kernel.paged_prefill`: bf16, no sliding
-  window, CPUs with AMX tiles), which reads K/V in place from the pool, or else one
+  call of the AMX prefill kernel (`cpu_kernel.paged_prefill`: bf16 queries over a bf16
+  or quantized pool, no sliding window, CPUs with AMX tiles), which reads K/V in place
+  from the pool, or else one
   SDPA call over its gathered K/V with a causal mask offset by its cached length
   (`is_causal` when there is no prefix).
 There is no per-token Python loop; the loop is per prefill request.
@@ -329,9 +330,10 @@ def _decode_group(
 
 
 def _kernel_prefills(query: torch.Tensor, k_cache: torch.Tensor, p: _Prefill) -> bool:
-    """Whether the AMX prefill kernel takes this prefill: bf16 query and pool, no sliding
-    window, heads of 32..256 in steps of 32."""
-    bf16 = query.dtype == k_cache.dtype == torch.bfloat16
+    """Whether the AMX prefill kernel takes this prefill: bf16 query over a bf16 or quantized
+    pool, no sliding window, heads of 32..256 in steps of 32."""
+    pool = k_cache.dtype == torch.bfloat16 or k_cache.dtype in cpu_kernel.CACHE_DTYPES
+    bf16 = query.dtype == torch.bfloat16 and pool
     return bf16 and not p.window and query.shape[2] % 32 == 0 and query.shape[2] <= 256
 
 

@@ -302,26 +302,34 @@ extern "C" int tessera_prefill_tiles() {
 #endif
 }
 
-// Causal prefill attention of one request's new rows (amx_prefill.h for layouts), bf16 only:
-// 0 done, 1 not in this build, 2 a shape it does not take, 3 no AMX tiles lent.
-extern "C" int tessera_paged_prefill(const void* query, const void* k_cache, const void* v_cache,
-                                     void* out, const int32_t* blocks, int64_t query_len,
-                                     int64_t seq_len, int64_t heads, int64_t kv_heads,
-                                     int64_t head_dim, int64_t block_size, float scale,
-                                     int num_threads) {
+// Causal prefill attention of one request's new rows (amx_prefill.h for layouts), bf16 queries
+// over a pool of cache_dtype (as tessera_paged_decode's: 0 bf16, 2 int8, 3 float8 e4m3fn):
+// 0 done, 1 not in this build, 2 a shape it does not take, 3 no AMX tiles lent, 4 a cache
+// dtype it does not know.
+extern "C" int tessera_paged_prefill(int cache_dtype, const void* query, const void* k_cache,
+                                     const void* v_cache, void* out, const int32_t* blocks,
+                                     int64_t query_len, int64_t seq_len, int64_t heads,
+                                     int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                     float scale, int num_threads) {
 #if defined(__AVX512BF16__)
   if (!amx_gemm::lent() && !amx_gemm::enable()) return 3;
   const amx_prefill::Shape s{heads, kv_heads, head_dim, block_size, query_len, seq_len, scale};
-  return amx_prefill::prefill(static_cast<const uint16_t*>(query),
-                              static_cast<const uint16_t*>(k_cache),
-                              static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out),
-                              blocks, s, num_threads)
-             ? 0
-             : 2;
+  auto run = [&](auto* cache) {
+    using C = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
+    return amx_prefill::prefill(static_cast<const uint16_t*>(query),
+                                static_cast<const C*>(k_cache), static_cast<const C*>(v_cache),
+                                static_cast<uint16_t*>(out), blocks, s, num_threads)
+               ? 0
+               : 2;
+  };
+  if (cache_dtype == 0) return run(static_cast<const uint16_t*>(nullptr));
+  if (cache_dtype == 2) return run(static_cast<const int8_t*>(nullptr));
+  if (cache_dtype == 3) return run(static_cast<const Fp8E4M3*>(nullptr));
+  return 4;
 #else
-  (void)query, (void)k_cache, (void)v_cache, (void)out, (void)blocks, (void)query_len;
-  (void)seq_len, (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)scale;
-  (void)num_threads;
+  (void)cache_dtype, (void)query, (void)k_cache, (void)v_cache, (void)out, (void)blocks;
+  (void)query_len, (void)seq_len, (void)heads, (void)kv_heads, (void)head_dim;
+  (void)block_size, (void)scale, (void)num_threads;
   return 1;
 #endif
 }

@@ -39,6 +39,7 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int,  # num_threads
 ]
 _PREFILL_ARGTYPES: list[Any] = [
+    ctypes.c_int,  # cache_dtype
     *[ctypes.c_void_p] * 5,  # query, k_cache, v_cache, out, blocks
     *[ctypes.c_int64] * 6,  # query_len, seq_len, heads, kv_heads, head_dim, block_size
     ctypes.c_float,  # scale
@@ -127,22 +128,24 @@ def paged_decode(
 def paged_prefill(
     lib: ctypes.CDLL,
     query: torch.Tensor,  # [query_len, heads, head_dim] bf16: one request's new rows
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim (+ 2 quantized)]
     v_cache: torch.Tensor,
     blocks: torch.Tensor,  # [ceil(seq_len / block_size)] int32: the request's block ids
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:
     """[query_len, heads, head_dim]: causal attention of the request's last query_len tokens
-    over its seq_len cached ones, on AMX tiles (amx_prefill.h; needs prefill_tiles)."""
+    over its seq_len cached ones, on AMX tiles (amx_prefill.h; needs prefill_tiles). The pools
+    are bf16 or quantized (CACHE_DTYPES), widened to bf16 as they are read."""
     for t in (query, k_cache, v_cache, blocks):
         assert t.is_contiguous() and t.device.type == "cpu"
-    assert query.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+    assert query.dtype == torch.bfloat16 and k_cache.dtype == v_cache.dtype
     assert blocks.dtype == torch.int32 and blocks.numel() * k_cache.shape[1] >= seq_len
+    cache_dtype = 0 if k_cache.dtype == query.dtype else CACHE_DTYPES[k_cache.dtype]
     out = torch.empty_like(query)
     (query_len, heads, head_dim), (_, block_size, kv_heads, _) = query.shape, k_cache.shape
     status = lib.tessera_paged_prefill(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        cache_dtype, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         blocks.data_ptr(), query_len, seq_len, heads, kv_heads, head_dim, block_size, scale,
         torch.get_num_threads(),
     )  # fmt: skip
