@@ -52,16 +52,8 @@ struct Shape {
   int64_t packed() const { return steps() * kKeys * dim; }  // bf16 values of one head's K (or V)
 };
 
-// Tiles: 0-1 scores (keys 0-15, 16-31 of a step), 2-5 sums (16 dims each), 6 query or P,
-// 7 K or V.
-inline void configure() {
-  amx_gemm::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (amx_gemm::configure_full): 0-1 scores (keys 0-15, 16-31 of a step), 2-5 sums (16
+// dims each), 6 query or P, 7 K or V.
 
 // A head row of the pool as bf16: in place for a bf16 pool; a quantized one's (kv_quant.h)
 // values times its scale, rounded to bf16 into `buf` (as kv_quant.dequantize does).
@@ -303,7 +295,7 @@ bool prefill(const uint16_t* query, const C* k_cache, const C* v_cache, uint16_t
       for (int64_t st = 0; st < steps; ++st)
         pack_step(k_cache, v_cache, blocks, s, h, st, base + 2 * h * per_head,
                   base + (2 * h + 1) * per_head);
-    configure();
+    amx_gemm::configure_full();
     Rows w;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {  // the longest (last) query tiles first

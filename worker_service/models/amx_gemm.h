@@ -75,6 +75,16 @@ inline void configure(int r0, int r1) {
   _tile_loadconfig(&cfg);
 }
 
+// Every tile 16 rows of 64 bytes (the GGUF and prefill-attention kernels).
+inline void configure_full() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
 // Sums of rows [m0, m0 + r0 + r1) for column tiles j0 and (when two) j0 + 1, over all of K.
 inline void tile_sums(const uint16_t* x, const uint16_t* packed, int64_t K, int64_t m0, int r1,
                       int64_t j0, bool two) {

@@ -41,15 +41,8 @@ using gguf_gemm::kGroup;
 using gguf_gemm::Values;
 constexpr int64_t kPanel = 32;  // weight rows dequantized together: two A tiles
 
-// Tiles: 0-3 sums (A tile a, B tile b: 2 b + a), 4-5 weight rows, 6-7 x rows; all 16 x 64 B.
-inline void configure() {
-  amx_gemm::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (amx_gemm::configure_full): 0-3 sums (A tile a, B tile b: 2 b + a), 4-5 weight rows,
+// 6-7 x rows.
 
 // x [rows, K] bf16 -> [ceil(rows / 16), K / 32, 16, 16, 2]: xp[t][kb][r][c][e] = x[16 t + c]
 // [32 kb + 2 r + e] (zero past rows): the B side of a tile product, 16 rows of x a tile.
@@ -222,7 +215,7 @@ void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, panels)))
   {
     std::vector<uint16_t> buf(kPanel * K);
-    configure();
+    amx_gemm::configure_full();
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kPanel, count = std::min(kPanel, N - n0);
