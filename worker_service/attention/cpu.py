@@ -11,9 +11,8 @@ Plan per step (built once, shared by all layers):
 - every other request (a prefill chunk, possibly after a cached prefix) is one
   call of the AMX prefill kernel (`cpu_kernel.paged_prefill`: bf16 queries over a bf16
   or quantized pool, no sliding window, CPUs with AMX tiles), which reads K/V in place
-  from the pool, or else one
-  SDPA call over its gathered K/V with a causal mask offset by its cached length
-  (`is_causal` when there is no prefix).
+  from the pool; or else one SDPA call over its gathered K/V with a causal mask offset
+  by its cached length (`is_causal` when there is no prefix).
 There is no per-token Python loop; the loop is per prefill request.
 
 Batch-invariant mode (--deterministic, `make_batch_invariant`): every new token, prefill or
