@@ -46,6 +46,12 @@ def cpu_level() -> str:
     return level
 
 
+def amx_bf16_cpu() -> bool:
+    """Whether this CPU has AMX tiles with bf16 products (the kernels still ask Linux for
+    the tiles before their first use)."""
+    return {"amx_tile", "amx_bf16"} <= read_cpu_info().flags
+
+
 def compile_flags(level: str | None = None) -> list[str]:
     """Flags for `level` (a MARCH key; "" for the compiler's default), by default this CPU's."""
     level = cpu_level() if level is None else level

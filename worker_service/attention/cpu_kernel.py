@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from worker_service import native
-from worker_service.cpu_kernels import read_cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +68,7 @@ def build(level: str | None = None) -> ctypes.CDLL:
 
 def prefill_tiles(lib: ctypes.CDLL) -> bool:
     """Whether `paged_prefill` runs here: the AVX512_BF16 build on a CPU with AMX tiles."""
-    flags = read_cpu_info().flags
-    return {"amx_tile", "amx_bf16"} <= flags and lib.tessera_prefill_tiles() == 1
+    return native.amx_bf16_cpu() and lib.tessera_prefill_tiles() == 1
 
 
 @dataclass(frozen=True)

@@ -174,8 +174,7 @@ class CpuOps:
     def amx(self) -> bool:
         """Whether gemm_amx runs here: this build has it (AVX512_BF16), the CPU has AMX tiles
         for bf16, and the kernel lends them to this process."""
-        flags = native.read_cpu_info().flags
-        return {"amx_tile", "amx_bf16"} <= flags and self.lib.tessera_amx_enable() == 0
+        return native.amx_bf16_cpu() and self.lib.tessera_amx_enable() == 0
 
     def gemm_amx(
         self,
