@@ -6,6 +6,9 @@ every machine by test_small_gemm.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.worker.test_small_gemm import _assert_float32_sums_rounded
+from worker_service import native
 from worker_service.models import cpu_ops
 from worker_service.models.layers import Linear
 
 SHAPES = [(1, 32), (17, 64), (33, 96), (960, 576), (576, 1536)]  # [N, K]: N tails, K in 32s
+PROBE = Path(__file__).with_name("native") / "tile_config_probe.cpp"
 ROWS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 70]  # tiles of 16 rows, passes of 32
 
 
@@ -95,3 +100,18 @@ def test_a_float32_input_runs_in_bf16_as_the_packed_path_did(amx_ops: cpu_ops.Cp
     assert ours.dtype == torch.float32
     reference = F.linear(x.bfloat16().float(), layer.weight.float(), layer.bias.float())
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2)
+
+
+def test_tile_configuration_survives_an_out_of_line_call(tmp_path: Path) -> None:
+    """amx_gemm's configuration, built in a function that is not inlined into the tiles' user,
+    still configures them (GCC 12's _tile_loadconfig reads 8 bytes as far as the optimizer
+    knows, and dropped the rows and columns: the tiles then faulted with SIGILL). Run in a
+    child process, so that a fault fails this test and not the session."""
+    if not native.amx_bf16_cpu():
+        pytest.skip("needs a CPU with AMX tiles for bf16 (amx_tile, amx_bf16)")
+    library = tmp_path / "probe.so"
+    native._compile(PROBE, library, native.compile_flags("AVX512_BF16"))
+    script = f"import ctypes; print(ctypes.CDLL({str(library)!r}).tessera_probe_tiles())"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, f"the probe died ({done.returncode}): {done.stderr}"
+    assert done.stdout.strip() == "1"

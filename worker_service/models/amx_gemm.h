@@ -58,6 +58,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Loads `cfg` as the tile configuration. Not _tile_loadconfig: GCC 12 declares its operand as
+// 8 bytes, so where a configuring function is not inlined into the tiles' user the compiler
+// may drop the stores of rows and columns as dead, and the tiles then fault (SIGILL).
+inline void load_config(const TileConfig& cfg) { asm volatile("ldtilecfg %0" ::"m"(cfg)); }
+
 // Tiles: 0-3 sums (row half h, column tile c: 2 c + h), 4-5 x rows, 6-7 weight columns.
 // r0 rows in the first half, r1 (0-16) in the second.
 inline void configure(int r0, int r1) {
@@ -72,7 +77,7 @@ inline void configure(int r0, int r1) {
   }
   set(6, 16);
   set(7, 16);
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // Every tile 16 rows of 64 bytes (the GGUF and prefill-attention kernels).
@@ -82,7 +87,7 @@ inline void configure_full() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // Sums of rows [m0, m0 + r0 + r1) for column tiles j0 and (when two) j0 + 1, over all of K.
