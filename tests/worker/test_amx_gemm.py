@@ -22,7 +22,8 @@ from worker_service.models.layers import Linear
 
 SHAPES = [(1, 32), (17, 64), (33, 96), (960, 576), (576, 1536)]  # [N, K]: N tails, K in 32s
 PROBE = Path(__file__).with_name("native") / "tile_config_probe.cpp"
-ROWS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 70]  # tiles of 16 rows, passes of 32
+# Tiles of 16 rows, passes of 32, blocks of 128 (kRowBlock).
+ROWS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 70, 130, 300]
 
 
 def test_pack_amx_puts_pairs_of_k_in_tiles_of_16_columns() -> None:

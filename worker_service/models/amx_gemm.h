@@ -3,8 +3,9 @@
 // At 3-64 rows (decode batches) a step is too small for oneDNN's GEMMs to pay their call
 // overhead and too large for the pair-dot-product loop of small_gemm.h, which does 32
 // multiply-adds a weight load where a tile instruction does 16 x 16 x 32. Here every
-// 32 output columns of the weight, pre-packed in the tiles' pair layout, are read once per
-// 32 rows: two row tiles x two column tiles of float32 sums, K in steps of 32.
+// 32 output columns of the weight, pre-packed in the tiles' pair layout, are read from memory
+// once per block of up to 128 rows (kRowBlock) and from cache by each of its 32-row passes:
+// two row tiles x two column tiles of float32 sums, K in steps of 32.
 //
 // Compiled in the AVX512_BF16 build with the AMX target enabled for these functions only;
 // the caller checks the CPU (amx_bf16, amx_tile) and calls `enable()` before `gemm`.
@@ -35,6 +36,9 @@ namespace amx_gemm {
 constexpr int64_t kTileK = 32;           // bf16 values of K per tile row
 constexpr int64_t kTileN = 16;           // output columns per tile
 constexpr int64_t kTileElems = 16 * 32;  // bf16 values of one packed weight tile
+// Rows of x (a multiple of 32) whose passes run over one column pair while its weight is in
+// cache: a step's weight is read from memory once per block, not once per 32 rows.
+constexpr int64_t kRowBlock = 128;
 
 // Whether this process has the tiles (enable() succeeded): the GEMMs that choose for
 // themselves (amx_gguf.h) take them only then.
@@ -149,23 +153,28 @@ inline bool gemm(const uint16_t* x, const uint16_t* packed, const uint16_t* bias
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, pairs)))
   {
     alignas(64) float sums[4][16 * kTileN];
-    for (int64_t m0 = 0; m0 < rows; m0 += 32) {
-      const int r0 = int(std::min<int64_t>(16, rows - m0));
-      const int r1 = int(std::clamp<int64_t>(rows - m0 - 16, 0, 16));
-      configure(r0, r1);
+    int configured = -1;  // r0 + 17 r1 of the tiles' configuration
+    for (int64_t block = 0; block < rows; block += kRowBlock) {
+      const int64_t end = std::min(rows, block + kRowBlock);
 #pragma omp for schedule(static) nowait
-      for (int64_t p = 0; p < pairs; ++p) {
+      for (int64_t p = 0; p < pairs; ++p) {  // each thread the same columns in every block
         const int64_t j0 = 2 * p;
         const bool two = j0 + 1 < col_tiles;
-        tile_sums(x, packed, K, m0, r1, j0, two);
-        _tile_stored(0, sums[0], 64);
-        if (r1) _tile_stored(1, sums[1], 64);
-        if (two) _tile_stored(2, sums[2], 64);
-        if (two && r1) _tile_stored(3, sums[3], 64);
-        for (int c = 0; c < (two ? 2 : 1); ++c) {
-          const int64_t n0 = (j0 + c) * kTileN;
-          store_rows(sums[2 * c], r0, bias, out, m0, n0, N);
-          if (r1) store_rows(sums[2 * c + 1], r1, bias, out, m0 + 16, n0, N);
+        for (int64_t m0 = block; m0 < end; m0 += 32) {
+          const int r0 = int(std::min<int64_t>(16, end - m0));
+          const int r1 = int(std::clamp<int64_t>(end - m0 - 16, 0, 16));
+          if (r0 + 17 * r1 != configured) configure(r0, r1);
+          configured = r0 + 17 * r1;
+          tile_sums(x, packed, K, m0, r1, j0, two);
+          _tile_stored(0, sums[0], 64);
+          if (r1) _tile_stored(1, sums[1], 64);
+          if (two) _tile_stored(2, sums[2], 64);
+          if (two && r1) _tile_stored(3, sums[3], 64);
+          for (int c = 0; c < (two ? 2 : 1); ++c) {
+            const int64_t n0 = (j0 + c) * kTileN;
+            store_rows(sums[2 * c], r0, bias, out, m0, n0, N);
+            if (r1) store_rows(sums[2 * c + 1], r1, bias, out, m0 + 16, n0, N);
+          }
         }
       }
     }
