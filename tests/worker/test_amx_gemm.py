@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tests.worker.test_small_gemm import _assert_float32_sums_rounded
 from worker_service import native
 from worker_service.models import cpu_ops
-from worker_service.models.layers import Linear
+from worker_service.models.layers import GatedMLP, Linear
 
 SHAPES = [(1, 32), (17, 64), (33, 96), (960, 576), (576, 1536)]  # [N, K]: N tails, K in 32s
 PROBE = Path(__file__).with_name("native") / "tile_config_probe.cpp"
@@ -116,3 +116,43 @@ def test_tile_configuration_survives_an_out_of_line_call(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, f"the probe died ({done.returncode}): {done.stderr}"
     assert done.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("rows", [1, 17, 33, 130])
+@pytest.mark.parametrize(("inter", "k"), [(16, 32), (48, 96), (1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_gemm_is_gemm_then_silu_mul(
+    amx_ops: cpu_ops.CpuOps, rows: int, inter: int, k: int, bias: bool
+) -> None:
+    """The gated MLP's fused epilogue gives the bits of the two steps it replaces."""
+    torch.manual_seed(rows + inter + k)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(2 * inter, k).bfloat16()
+    b = torch.randn(2 * inter).bfloat16() if bias else None
+    packed = cpu_ops.pack_amx(w)
+    two_steps = amx_ops.silu_mul(amx_ops.gemm_amx(x, packed, b, 2 * inter))
+    assert torch.equal(amx_ops.gemm_amx_gated(x, packed, b, inter), two_steps)
+
+
+def test_the_gated_mlp_takes_the_fused_epilogue(
+    amx_ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GatedMLP with the CPU ops runs one gated GEMM, not gate_up then silu_mul, and gives what
+    the two steps give."""
+    calls: list[int] = []
+    gated = cpu_ops.CpuOps.gemm_amx_gated
+
+    def counted(self: cpu_ops.CpuOps, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return gated(self, x, *args)
+
+    monkeypatch.setattr(cpu_ops.CpuOps, "gemm_amx_gated", counted)
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 48).bfloat16()
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.pack(torch.bfloat16)
+    mlp.ops = amx_ops
+    x = torch.randn(40, 64).bfloat16()
+    ours = mlp(x)
+    assert calls == [40]
+    two_steps = mlp.down_proj(amx_ops.silu_mul(mlp.gate_up_proj(x)))
+    assert torch.equal(ours, two_steps)

@@ -25,8 +25,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 
 #include "bf16.h"
+#include "elementwise.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
@@ -94,12 +96,13 @@ inline void configure_full() {
   load_config(cfg);
 }
 
-// Sums of rows [m0, m0 + r0 + r1) for column tiles j0 and (when two) j0 + 1, over all of K.
+// Sums of rows [m0, m0 + r0 + r1) for column tiles j0 and (when j1 >= 0) j1, over all of K.
 inline void tile_sums(const uint16_t* x, const uint16_t* packed, int64_t K, int64_t m0, int r1,
-                      int64_t j0, bool two) {
+                      int64_t j0, int64_t j1) {
   const int64_t kb_count = K / kTileK, stride = K * int64_t(sizeof(uint16_t));
+  const bool two = j1 >= 0;
   const uint16_t* w0 = packed + j0 * kb_count * kTileElems;
-  const uint16_t* w1 = w0 + kb_count * kTileElems;
+  const uint16_t* w1 = packed + j1 * kb_count * kTileElems;
   const uint16_t* x0 = x + m0 * K;
   const uint16_t* x1 = x0 + 16 * K;
   _tile_zero(0);  // a tile is touched only where configured (configure(r0, r1))
@@ -144,12 +147,13 @@ inline void store_rows(const float* sums, int rows, const uint16_t* bias, uint16
                 out + (m0 + m) * N + n0, cols);
 }
 
-// out [rows, N] = x [rows, K] @ w.T + bias over the packed weight; false if the shape is not
-// one it takes (rows < 1, K not a multiple of 32).
-inline bool gemm(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* out,
-                 int64_t rows, int64_t K, int64_t N, int num_threads) {
-  if (rows < 1 || K % kTileK != 0 || K == 0) return false;
-  const int64_t col_tiles = (N + kTileN - 1) / kTileN, pairs = (col_tiles + 1) / 2;
+// The GEMMs' loop: the pairs of column tiles (j0, j1) = tiles(p) for p < pairs (j1 -1: j0
+// alone) over x's rows, each thread the same pairs in every block of kRowBlock rows;
+// store(p, m0, r0, r1, sums) takes the float32 sums of rows [m0, m0 + r0 + r1): sums[2 c + h]
+// [16, 16] for tile c of the pair and row half h.
+template <typename Tiles, typename Store>
+inline void over_pairs(const uint16_t* x, const uint16_t* packed, int64_t rows, int64_t K,
+                       int64_t pairs, int num_threads, Tiles tiles, Store store) {
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, pairs)))
   {
     alignas(64) float sums[4][16 * kTileN];
@@ -157,29 +161,73 @@ inline bool gemm(const uint16_t* x, const uint16_t* packed, const uint16_t* bias
     for (int64_t block = 0; block < rows; block += kRowBlock) {
       const int64_t end = std::min(rows, block + kRowBlock);
 #pragma omp for schedule(static) nowait
-      for (int64_t p = 0; p < pairs; ++p) {  // each thread the same columns in every block
-        const int64_t j0 = 2 * p;
-        const bool two = j0 + 1 < col_tiles;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const auto [j0, j1] = tiles(p);
         for (int64_t m0 = block; m0 < end; m0 += 32) {
           const int r0 = int(std::min<int64_t>(16, end - m0));
           const int r1 = int(std::clamp<int64_t>(end - m0 - 16, 0, 16));
           if (r0 + 17 * r1 != configured) configure(r0, r1);
           configured = r0 + 17 * r1;
-          tile_sums(x, packed, K, m0, r1, j0, two);
+          tile_sums(x, packed, K, m0, r1, j0, j1);
           _tile_stored(0, sums[0], 64);
           if (r1) _tile_stored(1, sums[1], 64);
-          if (two) _tile_stored(2, sums[2], 64);
-          if (two && r1) _tile_stored(3, sums[3], 64);
-          for (int c = 0; c < (two ? 2 : 1); ++c) {
-            const int64_t n0 = (j0 + c) * kTileN;
-            store_rows(sums[2 * c], r0, bias, out, m0, n0, N);
-            if (r1) store_rows(sums[2 * c + 1], r1, bias, out, m0 + 16, n0, N);
-          }
+          if (j1 >= 0) _tile_stored(2, sums[2], 64);
+          if (j1 >= 0 && r1) _tile_stored(3, sums[3], 64);
+          store(p, m0, r0, r1, sums);
         }
       }
     }
     _tile_release();
   }
+}
+
+// out [rows, N] = x [rows, K] @ w.T + bias over the packed weight; false if the shape is not
+// one it takes (rows < 1, K not a multiple of 32).
+inline bool gemm(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* out,
+                 int64_t rows, int64_t K, int64_t N, int num_threads) {
+  if (rows < 1 || K % kTileK != 0 || K == 0) return false;
+  const int64_t col_tiles = (N + kTileN - 1) / kTileN, pairs = (col_tiles + 1) / 2;
+  const auto tiles = [col_tiles](int64_t p) {  // neighbours
+    return std::pair<int64_t, int64_t>(2 * p, 2 * p + 1 < col_tiles ? 2 * p + 1 : -1);
+  };
+  over_pairs(x, packed, rows, K, pairs, num_threads, tiles,
+             [&](int64_t p, int64_t m0, int r0, int r1, float (&sums)[4][16 * kTileN]) {
+               for (int c = 0; c < (2 * p + 1 < col_tiles ? 2 : 1); ++c) {
+                 const int64_t n0 = (2 * p + c) * kTileN;
+                 store_rows(sums[2 * c], r0, bias, out, m0, n0, N);
+                 if (r1) store_rows(sums[2 * c + 1], r1, bias, out, m0 + 16, n0, N);
+               }
+             });
+  return true;
+}
+
+// The gated MLP's first GEMM and its SiLU in one pass: out [rows, I] = silu(x @ gate.T) *
+// (x @ up.T) for a weight [2 I, K] holding gate's rows then up's (the fused gate_up, packed
+// as one), bias [2 I] or null. Each product is rounded to bf16 as gemm stores it, then
+// elementwise::silu_mul_chunk: the same bits as gemm then silu_mul, without the [rows, 2 I]
+// product written and read back. false if the shape is not one it takes (gemm's, and I not
+// a multiple of 16).
+inline bool gemm_gated(const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
+                       uint16_t* out, int64_t rows, int64_t K, int64_t I, int num_threads) {
+  if (rows < 1 || K % kTileK != 0 || K == 0 || I % kTileN != 0 || I == 0) return false;
+  const int64_t up = I / kTileN;  // the column tile of up's first row
+  const auto tiles = [up](int64_t p) { return std::pair<int64_t, int64_t>(p, up + p); };
+  over_pairs(x, packed, rows, K, up, num_threads, tiles,
+             [&](int64_t p, int64_t m0, int r0, int r1, float (&sums)[4][16 * kTileN]) {
+               const int64_t n0 = p * kTileN, n = (r0 + r1) * kTileN;  // values of the pass
+               alignas(64) uint16_t g[32 * kTileN], u[32 * kTileN], h[32 * kTileN];
+               for (int m = 0; m < r0 + r1; ++m) {  // [rows, 16] products in bf16
+                 const int64_t at = (m % 16) * kTileN;
+                 store_row16(_mm512_load_ps(sums[m < 16 ? 0 : 1] + at), bias ? bias + n0 : nullptr,
+                             g + m * kTileN, kTileN);
+                 store_row16(_mm512_load_ps(sums[m < 16 ? 2 : 3] + at),
+                             bias ? bias + I + n0 : nullptr, u + m * kTileN, kTileN);
+               }
+               for (int64_t c = 0; c < n; c += elementwise::kChunk)
+                 elementwise::silu_mul_chunk(g + c, u + c, h + c, std::min(elementwise::kChunk, n - c));
+               for (int m = 0; m < r0 + r1; ++m)
+                 std::copy(h + m * kTileN, h + (m + 1) * kTileN, out + (m0 + m) * I + n0);
+             });
   return true;
 }
 

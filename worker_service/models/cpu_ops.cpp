@@ -78,6 +78,23 @@ int tessera_gemm_amx(const void* x, const void* packed, const void* bias, void* 
 #endif
 }
 
+// amx_gemm::gemm_gated: x [rows, K], out [rows, I] bf16; packed: the gate_up weight [2 I, K]
+// in tile layout; bias [2 I] bf16 or null.
+int tessera_gemm_amx_gated(const void* x, const void* packed, const void* bias, void* out,
+                           int64_t rows, int64_t K, int64_t I, int num_threads) {
+#if defined(__AVX512BF16__)
+  using T = uint16_t;
+  return amx_gemm::gemm_gated(static_cast<const T*>(x), static_cast<const T*>(packed),
+                              static_cast<const T*>(bias), static_cast<T*>(out), rows, K, I,
+                              num_threads)
+             ? 0
+             : 2;
+#else
+  (void)x, (void)packed, (void)bias, (void)out, (void)rows, (void)K, (void)I, (void)num_threads;
+  return 1;
+#endif
+}
+
 // x, out [rows, K] and [rows, N] bf16; w [N, K] bf16; bias [N] bf16 or null.
 int tessera_gemm_bf16(const void* x, const void* w, const void* bias, void* out, int64_t rows,
                       int64_t K, int64_t N, int num_threads) {

@@ -53,6 +53,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "tessera_amx_enable": [],
     # x, packed, bias, out, rows, K, N, num_threads
     "tessera_gemm_amx": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
+    # x, packed, bias, out, rows, K, I, num_threads
+    "tessera_gemm_amx_gated": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
     # type, dtype, x, w, bias, out, rows, K, N, path, num_threads
     "tessera_gemm_gguf": [
         ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int,
@@ -193,6 +195,26 @@ class CpuOps:
             x.shape[1], n, torch.get_num_threads(),
         )  # fmt: skip
         _check(status, "gemm_amx")
+        return out
+
+    def gemm_amx_gated(
+        self,
+        x: torch.Tensor,  # [rows, K] bf16
+        packed: torch.Tensor,  # pack_amx(gate_up weight [2 I, K]): gate's rows, then up's
+        bias: torch.Tensor | None,  # [2 I] bf16
+        inter: int,  # I, a multiple of 16
+    ) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) -> [rows, I] bf16: gemm_amx then silu_mul, to the bit,
+        in one pass (amx_gemm.h: gemm_gated)."""
+        x = x.contiguous()
+        assert x.dtype == packed.dtype == torch.bfloat16 and packed.is_contiguous()
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        out = x.new_empty(x.shape[0], inter)
+        status = self.lib.tessera_gemm_amx_gated(
+            x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), x.shape[0],
+            x.shape[1], inter, torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, "gemm_amx_gated")
         return out
 
     def gemm_gguf(

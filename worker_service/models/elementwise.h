@@ -112,23 +112,29 @@ void rope(T* qk, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride,
   }
 }
 
+// out[i] = silu(gate[i]) * up[i] for i < m <= kChunk, as HF rounds them: silu(gate) in T,
+// then the product. Not inlined: silu_mul and the AMX GEMM's gated epilogue (amx_gemm.h)
+// share this one compiled loop, so their results agree to the bit.
+template <typename T>
+__attribute__((noinline)) void silu_mul_chunk(const T* gate, const T* up, T* out, int64_t m) {
+  float a[kChunk], b[kChunk];
+  widen_n(gate, a, m);
+#pragma omp simd
+  for (int64_t i = 0; i < m; ++i) a[i] = a[i] / (1.f + expf(-a[i]));
+  round_n<T>(a, m);
+  widen_n(up, b, m);
+#pragma omp simd
+  for (int64_t i = 0; i < m; ++i) a[i] *= b[i];
+  narrow_n(a, out, m);
+}
+
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter, int num_threads) {
 #pragma omp parallel for num_threads(threads_for(n * inter, num_threads))
   for (int64_t r = 0; r < n; ++r) {
     const T* g = gate_up + r * 2 * inter;
-    float a[kChunk], b[kChunk];
-    for (int64_t c = 0; c < inter; c += kChunk) {  // HF: silu(gate) in dtype, times up
-      const int64_t m = std::min(kChunk, inter - c);
-      widen_n(g + c, a, m);
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) a[i] = a[i] / (1.f + expf(-a[i]));
-      round_n<T>(a, m);
-      widen_n(g + inter + c, b, m);
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) a[i] *= b[i];
-      narrow_n(a, out + r * inter + c, m);
-    }
+    for (int64_t c = 0; c < inter; c += kChunk)
+      silu_mul_chunk(g + c, g + inter + c, out + r * inter + c, std::min(kChunk, inter - c));
   }
 }
 

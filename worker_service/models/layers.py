@@ -127,6 +127,20 @@ class Linear(nn.Linear):
             return in_row_tiles(self._gemm, x, self.tile_rows)
         return self._gemm(x)
 
+    def gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gated MLP's gate_up: silu(gate) * up, [n, out / 2], in one AMX GEMM that
+        never writes [n, out] (cpu_ops.gemm_amx_gated: the same bits as forward then
+        silu_mul); None where that GEMM does not run (then forward and silu_mul)."""
+        inter = self.out_features // 2
+        if self.quant is not None or self.amx is None or self.tile_rows or inter % 16:
+            return None
+        if x.numel() == 0:  # (the empty step: forward's path)
+            return None
+        assert self.small_gemm is not None
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [n, in]
+        out = self.small_gemm.gemm_amx_gated(flat, self.amx, self.bias, inter)
+        return out.reshape(*x.shape[:-1], inter).to(x.dtype)
+
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """[n, in] -> [n, out] by the fastest kernel for n rows."""
         if self.quant is not None:
@@ -236,6 +250,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj  # a LoRA wrapper (lora.manager) keeps the two steps
+            gated = gate_up.gated(x) if isinstance(gate_up, Linear) else None
+            return self.down_proj(gated if gated is not None else self.ops.silu_mul(gate_up(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [n, inter] each
         return self.down_proj(F.silu(gate) * up)
