@@ -152,3 +152,19 @@ def test_sliding_window_matches_reference(
     )
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance(dtype), rtol=0)
     assert not torch.allclose(out.float(), full.float(), atol=1e-2)  # the window mattered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 5, 2048])
+def test_scatter_rows_is_index_copy(dtype: torch.dtype, n: int) -> None:
+    """The KV write: strided rows (K's columns of a qkv output) into shuffled pool slots."""
+    lib = cpu_kernel.load()
+    assert lib is not None
+    torch.manual_seed(n)
+    qkv = torch.randn(n, 15, 64).to(dtype)
+    key = qkv[:, 9:12]  # [n, 3, 64], rows 15 * 64 elements apart
+    slots = torch.randperm(3 * n)[:n]
+    ours, expected = (torch.zeros(3 * n, 3, 64, dtype=dtype) for _ in range(2))
+    cpu_kernel.scatter_rows(lib, key, ours, slots)
+    expected.index_copy_(0, slots, key)
+    assert torch.equal(ours, expected)

@@ -292,6 +292,19 @@ extern "C" int tessera_paged_decode(int dtype, int cache_dtype, const void* quer
                         rows, num_decode, s, scale, num_threads);
 }
 
+// dst's rows slots[i] = src's row i (row_bytes each; src's rows src_stride bytes apart), for
+// i < n: a step's K or V rows into the pool (Python's index_copy_ runs several times slower).
+extern "C" int tessera_scatter_rows(const void* src, int64_t src_stride, void* dst,
+                                    int64_t row_bytes, const int64_t* slots, int64_t n,
+                                    int num_threads) {
+  const auto* from = static_cast<const char*>(src);
+  auto* to = static_cast<char*>(dst);
+#pragma omp parallel for num_threads(n * row_bytes >= (1 << 16) ? num_threads : 1)
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(to + slots[i] * row_bytes, from + i * src_stride, size_t(row_bytes));
+  return 0;
+}
+
 // Whether tessera_paged_prefill runs here: this build has it (AVX512_BF16) and the process
 // has AMX tiles (the caller checks the CPU's flags first: asking for tiles needs them).
 extern "C" int tessera_prefill_tiles() {

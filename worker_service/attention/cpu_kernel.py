@@ -37,6 +37,15 @@ _ARGTYPES: list[Any] = [
     ctypes.c_float,  # scale
     ctypes.c_int,  # num_threads
 ]
+_SCATTER_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,
+    ctypes.c_int64,  # src, src_stride (bytes)
+    ctypes.c_void_p,
+    ctypes.c_int64,  # dst, row_bytes
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int,  # slots, n, num_threads
+]
 _PREFILL_ARGTYPES: list[Any] = [
     ctypes.c_int,  # cache_dtype
     *[ctypes.c_void_p] * 5,  # query, k_cache, v_cache, out, blocks
@@ -63,7 +72,24 @@ def build(level: str | None = None) -> ctypes.CDLL:
     lib.tessera_paged_decode.restype = ctypes.c_int
     lib.tessera_paged_prefill.argtypes = _PREFILL_ARGTYPES
     lib.tessera_paged_prefill.restype = ctypes.c_int
+    lib.tessera_scatter_rows.argtypes = _SCATTER_ARGTYPES
+    lib.tessera_scatter_rows.restype = ctypes.c_int
     return lib
+
+
+def scatter_rows(
+    lib: ctypes.CDLL, rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """pool[slots[i]] = rows[i]: rows [n, ...] with each row contiguous (rows may be strided,
+    e.g. K's columns of the qkv GEMM's output), pool [num_slots, ...] contiguous, of one dtype;
+    slots [n] int64 in range (index_copy_'s job, without its cost)."""
+    assert rows.dtype == pool.dtype and pool.is_contiguous() and slots.dtype == torch.int64
+    assert rows[0].is_contiguous() and rows.shape[1:] == pool.shape[1:] and slots.is_contiguous()
+    row_bytes = pool[0].numel() * pool.element_size()
+    lib.tessera_scatter_rows(
+        rows.data_ptr(), rows.stride(0) * rows.element_size(), pool.data_ptr(), row_bytes,
+        slots.data_ptr(), slots.shape[0], torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def prefill_tiles(lib: ctypes.CDLL) -> bool:
