@@ -63,18 +63,24 @@ def test_gemm_amx_refuses_k_not_in_32s(amx_ops: cpu_ops.CpuOps) -> None:
         amx_ops.gemm_amx(x, packed, None, 16)
 
 
+def count_rows(monkeypatch: pytest.MonkeyPatch, op: str) -> list[int]:
+    """The row counts of x the CpuOps method `op` is called with, from now on."""
+    calls: list[int] = []
+    method = getattr(cpu_ops.CpuOps, op)
+
+    def counted(self: cpu_ops.CpuOps, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return method(self, x, *args)
+
+    monkeypatch.setattr(cpu_ops.CpuOps, op, counted)
+    return calls
+
+
 @pytest.mark.parametrize("rows", [1, 64, 65, 300])
 def test_bf16_linear_takes_amx_at_every_row_count(
     amx_ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
-    calls: list[int] = []
-    gemm = cpu_ops.CpuOps.gemm_amx
-
-    def counted(self: cpu_ops.CpuOps, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return gemm(self, x, *args)
-
-    monkeypatch.setattr(cpu_ops.CpuOps, "gemm_amx", counted)
+    calls = count_rows(monkeypatch, "gemm_amx")
     torch.manual_seed(rows)
     layer = Linear(576, 200).bfloat16()
     layer.pack(torch.bfloat16)
@@ -138,14 +144,7 @@ def test_the_gated_mlp_takes_the_fused_epilogue(
 ) -> None:
     """GatedMLP with the CPU ops runs one gated GEMM, not gate_up then silu_mul, and gives what
     the two steps give."""
-    calls: list[int] = []
-    gated = cpu_ops.CpuOps.gemm_amx_gated
-
-    def counted(self: cpu_ops.CpuOps, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return gated(self, x, *args)
-
-    monkeypatch.setattr(cpu_ops.CpuOps, "gemm_amx_gated", counted)
+    calls = count_rows(monkeypatch, "gemm_amx_gated")
     torch.manual_seed(0)
     mlp = GatedMLP(64, 48).bfloat16()
     for linear in (mlp.gate_up_proj, mlp.down_proj):
