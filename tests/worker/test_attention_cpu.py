@@ -168,3 +168,14 @@ def test_scatter_rows_is_index_copy(dtype: torch.dtype, n: int) -> None:
     cpu_kernel.scatter_rows(lib, key, ours, slots)
     expected.index_copy_(0, slots, key)
     assert torch.equal(ours, expected)
+
+
+def test_scatter_rows_refuses_a_slot_outside_the_pool() -> None:
+    lib = cpu_kernel.load()
+    assert lib is not None
+    pool = torch.zeros(8, 3, 64)
+    rows = torch.ones(2, 3, 64)
+    for bad in (8, -1):
+        with pytest.raises(IndexError, match="outside the pool of 8"):
+            cpu_kernel.scatter_rows(lib, rows, pool, torch.tensor([0, bad]))
+        assert not pool.any()  # nothing written, not even the good row

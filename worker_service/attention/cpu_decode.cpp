@@ -293,10 +293,13 @@ extern "C" int tessera_paged_decode(int dtype, int cache_dtype, const void* quer
 }
 
 // dst's rows slots[i] = src's row i (row_bytes each; src's rows src_stride bytes apart), for
-// i < n: a step's K or V rows into the pool (Python's index_copy_ runs several times slower).
+// i < n: a step's K or V rows into the pool of num_slots rows (Python's index_copy_ runs
+// several times slower). 0 done; 1 a slot out of range, and nothing written.
 extern "C" int tessera_scatter_rows(const void* src, int64_t src_stride, void* dst,
-                                    int64_t row_bytes, const int64_t* slots, int64_t n,
-                                    int num_threads) {
+                                    int64_t row_bytes, int64_t num_slots, const int64_t* slots,
+                                    int64_t n, int num_threads) {
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= num_slots) return 1;
   const auto* from = static_cast<const char*>(src);
   auto* to = static_cast<char*>(dst);
 #pragma omp parallel for num_threads(n * row_bytes >= (1 << 16) ? num_threads : 1)

@@ -38,14 +38,10 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int,  # num_threads
 ]
 _SCATTER_ARGTYPES: list[Any] = [
-    ctypes.c_void_p,
-    ctypes.c_int64,  # src, src_stride (bytes)
-    ctypes.c_void_p,
-    ctypes.c_int64,  # dst, row_bytes
-    ctypes.c_void_p,
-    ctypes.c_int64,
-    ctypes.c_int,  # slots, n, num_threads
-]
+    ctypes.c_void_p, ctypes.c_int64,  # src, src_stride (bytes)
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # dst, row_bytes, num_slots
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # slots, n, num_threads
+]  # fmt: skip
 _PREFILL_ARGTYPES: list[Any] = [
     ctypes.c_int,  # cache_dtype
     *[ctypes.c_void_p] * 5,  # query, k_cache, v_cache, out, blocks
@@ -82,14 +78,17 @@ def scatter_rows(
 ) -> None:
     """pool[slots[i]] = rows[i]: rows [n, ...] with each row contiguous (rows may be strided,
     e.g. K's columns of the qkv GEMM's output), pool [num_slots, ...] contiguous, of one dtype;
-    slots [n] int64 in range (index_copy_'s job, without its cost)."""
+    slots [n] int64 (index_copy_'s job, without its cost; IndexError, as it, for a slot out of
+    range, and nothing written)."""
     assert rows.dtype == pool.dtype and pool.is_contiguous() and slots.dtype == torch.int64
     assert rows[0].is_contiguous() and rows.shape[1:] == pool.shape[1:] and slots.is_contiguous()
     row_bytes = pool[0].numel() * pool.element_size()
-    lib.tessera_scatter_rows(
+    status = lib.tessera_scatter_rows(
         rows.data_ptr(), rows.stride(0) * rows.element_size(), pool.data_ptr(), row_bytes,
-        slots.data_ptr(), slots.shape[0], torch.get_num_threads(),
+        pool.shape[0], slots.data_ptr(), slots.shape[0], torch.get_num_threads(),
     )  # fmt: skip
+    if status:
+        raise IndexError(f"a KV slot outside the pool of {pool.shape[0]} slots")
 
 
 def prefill_tiles(lib: ctypes.CDLL) -> bool:
