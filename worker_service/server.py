@@ -22,6 +22,7 @@ from services.pb import worker_pb2, worker_pb2_grpc
 from services.step_types import SchedulerOutput
 from services.tracing import record_timings, step_attributes, step_span
 from services.worker_api import WorkerProtocol
+from worker_service.model_thread import ModelThread
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, worker: WorkerProtocol, on_shutdown: Callable[[], None] | None = None):
         self.worker = worker
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        thread: ModelThread | None = getattr(worker, "thread", None)  # a Worker's own
+        self._executor = thread.executor if thread else ThreadPoolExecutor(1, "model")
         self._on_shutdown = on_shutdown
         self.cache_ready = False  # InitializeCache succeeded (and no Shutdown since)
         self.set_serving: Callable[[bool], Awaitable[None]] | None = None  # set by build_server

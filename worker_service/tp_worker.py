@@ -34,7 +34,7 @@ def run_rank(config: WorkerConfig, rank: int, how: parallel.Rendezvous) -> None:
     size = config.parallel.tensor_parallel_size
     group = parallel.init_group(rank, size, how, device)
     worker = Worker(config, tp=group)
-    follow(worker, group)
+    worker.thread.call(follow, worker, group)  # the steps on the thread that loaded the model
 
 
 def follow(worker: Worker, group: parallel.TPGroup) -> None:

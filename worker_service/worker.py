@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from concurrent.futures import Future
 
 import torch
 
@@ -14,6 +15,7 @@ from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, Sched
 from services.tensor_handles import host_id
 from worker_service import kv_cache
 from worker_service.model_runner import ModelRunner
+from worker_service.model_thread import ModelThread, on_model_thread
 from worker_service.parallel import TPGroup, start_group
 
 log = logging.getLogger(__name__)
@@ -39,12 +41,17 @@ def configure_threads(num_threads: int, ranks_per_host: int = 1) -> int:
 
 
 class Worker:
-    """Loads the model at construction; then serves the WorkerProtocol calls one at a time.
+    """Loads the model at construction; then serves the WorkerProtocol calls one at a time,
+    each on the worker's own thread (model_thread: why).
 
     With tensor parallelism this is every rank's worker: rank 0 (built without `tp`) starts
     the group and sends each call to the other ranks (worker_service.parallel)."""
 
     def __init__(self, config: WorkerConfig, tp: TPGroup | None = None) -> None:
+        self.thread = ModelThread()  # loads, allocates and executes: one OpenMP team
+        self.thread.call(self._load, config, tp)
+
+    def _load(self, config: WorkerConfig, tp: TPGroup | None) -> None:
         self.config = config
         self.device = select_device(config.model.device)
         self.tp = tp if tp is not None else start_group(config, self.device)
@@ -82,9 +89,11 @@ class Worker:
     def get_model_info(self) -> ModelInfo:
         return self.model_info
 
+    @on_model_thread
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return self.runner.kv_spec
 
+    @on_model_thread
     def determine_available_memory(self) -> int:
         """CPU: the configured budget capped by free RAM; GPU: profiled (see ModelRunner).
         A handshake is starting, so a pool an earlier scheduler had is released first (it
@@ -102,6 +111,7 @@ class Worker:
         block = self.runner.kv_spec.bytes_per_block
         return self.tp.min_over_ranks(available // block) * block
 
+    @on_model_thread
     def initialize_cache(self, num_blocks: int) -> int:
         """Allocate the KV pool; a (re)connecting scheduler starts a fresh session, so the
         requests an earlier scheduler left in the batch are dropped."""
@@ -122,11 +132,17 @@ class Worker:
         if self.runner.num_blocks:
             self.runner.release_cache()
 
+    @on_model_thread
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner.num_blocks == 0 and scheduler_output.num_scheduled_tokens:
             raise RuntimeError("execute_model before initialize_cache")
         return self.runner.execute_model(scheduler_output)
 
+    def submit_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """execute_model started on the model thread (scheduler_service.pipeline's steps)."""
+        return self.thread.submit(self.execute_model, scheduler_output)
+
+    @on_model_thread
     def shutdown(self) -> None:
         self.runner.release_cache()
         self.tp.stop()
