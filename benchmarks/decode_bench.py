@@ -37,6 +37,7 @@ from services.config import CacheConfig, ModelConfig, WorkerConfig
 from services.default_model import resolve_model
 from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
 from services.types import SamplingParams
+from worker_service.model_thread import model_thread, on_model_thread
 from worker_service.worker import Worker, configure_threads
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
@@ -113,16 +114,21 @@ class WorkerBench:
 
 
 class HFBench:
-    """HF transformers eager generate (sdpa attention, dynamic KV cache)."""
+    """HF transformers eager generate (sdpa attention, dynamic KV cache), on the model thread
+    as Tessera's worker runs (model_thread: why)."""
 
     def __init__(self, dtype: str) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            resolve_model("default"), dtype=getattr(torch, dtype)
+        self.thread = model_thread()
+        self.model = self.thread.call(
+            AutoModelForCausalLM.from_pretrained,
+            resolve_model("default"),
+            dtype=getattr(torch, dtype),
         ).eval()
         self.config = GenerationConfig
 
+    @on_model_thread
     def _generate(self, batch: int, new_tokens: int) -> float:
         ids = torch.tensor([_prompt(i, PROMPT_LEN) for i in range(batch)])
         cfg = self.config(
@@ -136,6 +142,7 @@ class HFBench:
     def decode(self, batch: int, steps: int, tag: str) -> float:
         return self._generate(batch, steps + 1) - self._generate(batch, 1)
 
+    @on_model_thread
     def prefill(self, n: int, tag: str) -> float:
         ids = torch.tensor([_prompt(0, n)])
         start = time.perf_counter()

@@ -59,7 +59,14 @@ def run_tessera(requests: list[BenchRequest], dtype: str, kv_cache_memory: str) 
 
 
 def run_hf(requests: list[BenchRequest], dtype: str, batch_size: int) -> dict[str, Any]:
-    """HF static batching: batches in order, left padding, each batch runs to its longest output."""
+    """HF static batching: batches in order, left padding, each batch runs to its longest
+    output; on the model thread, as Tessera's worker runs (model_thread: why)."""
+    from worker_service.model_thread import model_thread
+
+    return model_thread().call(_run_hf, requests, dtype, batch_size)
+
+
+def _run_hf(requests: list[BenchRequest], dtype: str, batch_size: int) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 

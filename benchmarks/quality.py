@@ -86,7 +86,14 @@ def greedy(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int
 
 
 def hf_greedy(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """HF transformers' float32 greedy continuations, one prompt at a time."""
+    """HF transformers' float32 greedy continuations, one prompt at a time; on the model
+    thread, as Tessera's worker runs (model_thread: why)."""
+    from worker_service.model_thread import model_thread
+
+    return model_thread().call(_hf_greedy, prompts, new_tokens)
+
+
+def _hf_greedy(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("default"), dtype=torch.float32)

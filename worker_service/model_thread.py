@@ -5,8 +5,10 @@ threads for each thread that calls into it. Once a second thread has called in (
 loaded on one thread, steps run on another), there are more OpenMP threads than cores, and
 libgomp stops spinning between parallel regions: each region then pays for waking its
 threads. A default-model decode step has a few hundred regions: on 2 cores batch-1 decode
-took 27 ms a step that way, 12.7 ms with one thread doing everything. So a Worker loads,
-allocates and executes on its ModelThread, whoever calls it.
+took 27 ms a step that way, 12.7 ms with one thread doing everything. So every Worker of a
+process loads, allocates and executes on the process's ModelThread (`model_thread()`),
+whoever calls it; other torch work in the same process (a benchmark's HF reference) should
+run there too.
 """
 
 from __future__ import annotations
@@ -35,8 +37,22 @@ class ModelThread:
         return self.executor.submit(fn, *args, **kwargs).result()
 
     def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        """fn(*args, **kwargs) queued on this thread, without waiting."""
-        return self.executor.submit(fn, *args, **kwargs)
+        """fn(*args, **kwargs) queued on this thread, without waiting (run at once when
+        called on it: queued behind its caller it would never start)."""
+        if threading.get_ident() != self._ident:
+            return self.executor.submit(fn, *args, **kwargs)
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+
+@functools.cache
+def model_thread() -> ModelThread:
+    """This process's ModelThread, started at first use."""
+    return ModelThread()
 
 
 class HasModelThread(Protocol):

@@ -15,7 +15,7 @@ from services.step_types import KVCacheSpec, ModelInfo, ModelRunnerOutput, Sched
 from services.tensor_handles import host_id
 from worker_service import kv_cache
 from worker_service.model_runner import ModelRunner
-from worker_service.model_thread import ModelThread, on_model_thread
+from worker_service.model_thread import model_thread, on_model_thread
 from worker_service.parallel import TPGroup, start_group
 
 log = logging.getLogger(__name__)
@@ -42,13 +42,13 @@ def configure_threads(num_threads: int, ranks_per_host: int = 1) -> int:
 
 class Worker:
     """Loads the model at construction; then serves the WorkerProtocol calls one at a time,
-    each on the worker's own thread (model_thread: why).
+    each on the process's model thread (model_thread: why).
 
     With tensor parallelism this is every rank's worker: rank 0 (built without `tp`) starts
     the group and sends each call to the other ranks (worker_service.parallel)."""
 
     def __init__(self, config: WorkerConfig, tp: TPGroup | None = None) -> None:
-        self.thread = ModelThread()  # loads, allocates and executes: one OpenMP team
+        self.thread = model_thread()  # loads, allocates and executes: one OpenMP team
         self.thread.call(self._load, config, tp)
 
     def _load(self, config: WorkerConfig, tp: TPGroup | None) -> None:
