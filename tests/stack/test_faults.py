@@ -89,8 +89,8 @@ def test_sigterm_drains_inflight_streams_and_refuses_new_ones() -> None:
     stack = start_stack("--drain-timeout", "60")
     try:
         results: dict[str, Any] = {}
-        threads = [
-            threading.Thread(target=_stream_collect, args=(stack, 48, results, f"s{i}"))
+        threads = [  # long enough to be in flight at SIGTERM (a 48-token stream was not)
+            threading.Thread(target=_stream_collect, args=(stack, 400, results, f"s{i}"))
             for i in range(10)
         ]
         for t in threads:
@@ -98,6 +98,7 @@ def test_sigterm_drains_inflight_streams_and_refuses_new_ones() -> None:
         time.sleep(1.5)
         pids = stack.service_pids()
         assert len(pids) == 3
+        assert all(t.is_alive() for t in threads), "streams ended before SIGTERM: nothing to drain"
         stack.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         refused = _complete(stack)
