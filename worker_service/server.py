@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -22,7 +21,7 @@ from services.pb import worker_pb2, worker_pb2_grpc
 from services.step_types import SchedulerOutput
 from services.tracing import record_timings, step_attributes, step_span
 from services.worker_api import WorkerProtocol
-from worker_service.model_thread import ModelThread
+from worker_service.model_thread import model_thread
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -34,8 +33,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, worker: WorkerProtocol, on_shutdown: Callable[[], None] | None = None):
         self.worker = worker
-        thread: ModelThread | None = getattr(worker, "thread", None)  # a Worker's own
-        self._executor = thread.executor if thread else ThreadPoolExecutor(1, "model")
+        self._executor = model_thread().executor  # the process's (a Worker's own) model thread
         self._on_shutdown = on_shutdown
         self.cache_ready = False  # InitializeCache succeeded (and no Shutdown since)
         self.set_serving: Callable[[bool], Awaitable[None]] | None = None  # set by build_server

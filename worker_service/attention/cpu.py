@@ -114,7 +114,8 @@ class CpuAttentionBackend(AttentionBackend):
             return
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_pool, v_pool = (c.view(-1, kv_heads, head_dim) for c in (k_cache, v_cache))
-        if self._kernel is not None and key.shape[0] and _rows_apart(key) and _rows_apart(value):
+        rows_apart = cpu_kernel.rows_apart(key) and cpu_kernel.rows_apart(value)
+        if self._kernel is not None and rows_apart:
             cpu_kernel.scatter_rows(self._kernel, key, k_pool, slot_mapping)
             cpu_kernel.scatter_rows(self._kernel, value, v_pool, slot_mapping)
             return
@@ -356,9 +357,3 @@ def _prefill_item(
         if windowed:  # and only the last `window` of them
             mask &= k_pos > q_pos - window
     return _Prefill(start, start + query_len, seq_len, blocks, mask, window if windowed else 0)
-
-
-def _rows_apart(x: torch.Tensor) -> bool:
-    """Whether each row of x [n, kv_heads, head_dim] is one contiguous span (cpu_kernel.scatter_rows
-    takes it; K and V are such views of the qkv GEMM's output)."""
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]

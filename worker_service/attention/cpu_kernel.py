@@ -73,6 +73,12 @@ def build(level: str | None = None) -> ctypes.CDLL:
     return lib
 
 
+def rows_apart(x: torch.Tensor) -> bool:
+    """Whether each row of x [n, ...] is one contiguous span (what scatter_rows takes; K and
+    V are such views of the qkv GEMM's output)."""
+    return x[:1].is_contiguous()  # (a dimension of size 1 has any stride)
+
+
 def scatter_rows(
     lib: ctypes.CDLL, rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
 ) -> None:
@@ -81,7 +87,7 @@ def scatter_rows(
     slots [n] int64 (index_copy_'s job, without its cost; IndexError, as it, for a slot out of
     range, and nothing written)."""
     assert rows.dtype == pool.dtype and pool.is_contiguous() and slots.dtype == torch.int64
-    assert rows[0].is_contiguous() and rows.shape[1:] == pool.shape[1:] and slots.is_contiguous()
+    assert rows_apart(rows) and rows.shape[1:] == pool.shape[1:] and slots.is_contiguous()
     row_bytes = pool[0].numel() * pool.element_size()
     status = lib.tessera_scatter_rows(
         rows.data_ptr(), rows.stride(0) * rows.element_size(), pool.data_ptr(), row_bytes,
