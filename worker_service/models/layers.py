@@ -132,7 +132,9 @@ class Linear(nn.Linear):
         never writes [n, out] (cpu_ops.gemm_amx_gated: the same bits as forward then
         silu_mul); None where that GEMM does not run (then forward and silu_mul)."""
         inter = self.out_features // 2
-        if self.quant or self.amx is None or self.tile_rows or inter % 16 or not x.numel():
+        if self.quant is not None or self.amx is None or self.tile_rows or inter % 16:
+            return None
+        if not x.numel():
             return None
         assert self.small_gemm is not None
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [n, in]
