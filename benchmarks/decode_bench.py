@@ -59,8 +59,10 @@ class WorkerBench:
         kv_cache_dtype: str = "auto",
         group: int = 32,
         deterministic: bool = False,
+        model_path: str | None = None,
     ) -> None:
         model = ModelConfig(
+            **({"model": model_path} if model_path else {}),
             dtype=dtype,
             quantization=quantization,
             quantization_group_size=group,

@@ -6,7 +6,12 @@
    torch SDPA on the same data unpaged as a yardstick.
 3. The dequant GEMM over GGUF blocks (benchmarks/gpu_check_quant.py, report key
    "dequant_gemm"): correctness per format, timings against torch bf16 at M = 1 and 32,
-   and the default model's Q4_1 GGUF served on CUDA.
+   and a Q4_1 GGUF served on CUDA (`--gguf FILE`; the default model's when not given).
+4. With `--throughput-config DIR`: the worker's decode and prefill speed on CUDA for a
+   random-weight model of that config (report key "throughput").
+
+On a GPU machine that reaches no registry: `python -m benchmarks.gpu_carry` here, then
+`bash benchmarks/gpu_check.sh` there (it says what to carry).
 
 Usage (from the repository root): `.venv/bin/python -m benchmarks.gpu_check [--out FILE]`
 (`--only-dequant`: section 3 alone);
@@ -23,8 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -188,9 +197,34 @@ def timings() -> list[dict[str, Any]]:
     return rows
 
 
+def throughput(config_dir: Path) -> dict[str, Any]:
+    """Worker decode tok/s (batches 1/32/256, median of 3 x 32 steps) and a 512-token prefill,
+    bf16, for a random-weight model of `config_dir`'s config (benchmarks/gpu_carry.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.decode_bench import WorkerBench
+
+    model_dir = Path(tempfile.mkdtemp(prefix="gpu_check_model_"))
+    for file in config_dir.iterdir():
+        shutil.copy(file, model_dir / file.name)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(config_dir)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
+    bench = WorkerBench("bfloat16", model_path=str(model_dir))
+    report: dict[str, Any] = {"model": f"{config.model_type} random weights, bf16"}
+    for batch in (1, 32, 256):
+        seconds = [bench.decode(batch, 32, f"b{batch}-{r}") for r in range(4)][1:]
+        report[f"decode_b{batch}_tok_s"] = round(batch * 32 / statistics.median(seconds), 1)
+    prefill = [bench.prefill(512, f"p{r}") for r in range(4)][1:]
+    report["prefill_512_ms"] = round(statistics.median(prefill) * 1000, 2)
+    bench.worker.shutdown()
+    return report
+
+
 def attention_report(timing: bool) -> dict[str, Any]:
     checks = correctness()
     return {
+        "ok": all(c["ok"] for c in checks),
         "correctness_failed": [c for c in checks if not c["ok"]],
         "correctness_passed": sum(c["ok"] for c in checks),
         "correctness_worst_err": max(checks, key=lambda c: c["max_abs_err"]),
@@ -198,25 +232,44 @@ def attention_report(timing: bool) -> dict[str, Any]:
     }
 
 
+def run_sections(sections: dict[str, Callable[[], dict[str, Any]]], out: Path | None) -> bool:
+    """Run each section, writing the report after each (a device call cut short keeps what
+    finished); a section that raises is recorded and the rest still run. True when all ok."""
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    for key, section in sections.items():
+        started = time.perf_counter()
+        try:
+            report[key] = section()
+        except Exception:
+            report[key] = {"ok": False, "error": traceback.format_exc()}
+        report[key]["seconds"] = round(time.perf_counter() - started, 1)
+        print(f"gpu_check: {key} done in {report[key]['seconds']} s", file=sys.stderr, flush=True)
+        if out is not None:
+            out.write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps(report, indent=1, default=str))
+    return all(part.get("ok", True) for part in report.values() if isinstance(part, dict))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="JSON report path")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--only-dequant", action="store_true", help="only section 3")
+    parser.add_argument("--gguf", type=Path, help="the Q4_1 GGUF to serve (default model's)")
+    parser.add_argument("--throughput-config", type=Path, help="model config dir: section 4")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to do", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    timing = not args.skip_timing
+    sections: dict[str, Callable[[], dict[str, Any]]] = {}
     if not args.only_dequant:
-        report |= attention_report(timing=not args.skip_timing)
-    report["dequant_gemm"] = quant_report(median_ms, timing=not args.skip_timing)
-    text = json.dumps(report, indent=1, default=str)
-    print(text)
+        sections["attention"] = lambda: attention_report(timing)
+    sections["dequant_gemm"] = lambda: quant_report(median_ms, timing, args.gguf)
+    if args.throughput_config:
+        sections["throughput"] = lambda: throughput(args.throughput_config)
     out = args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if "OUT" in os.environ else None)
-    if out is not None:
-        out.write_text(text)
-    return 1 if report.get("correctness_failed") or not report["dequant_gemm"]["ok"] else 0
+    return 0 if run_sections(sections, out) else 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Each function takes the device, so the CPU-side code runs in the interpreter tes
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,15 +103,17 @@ def quant_timings(
     return rows
 
 
-def model_check() -> dict[str, Any]:
-    """The default model's Q4_1 GGUF on the CUDA worker: blocks on CUDA, greedy vs HF."""
+def model_check(path: Path | None = None) -> dict[str, Any]:
+    """A Q4_1 GGUF on the CUDA worker: blocks on CUDA, greedy vs HF. `path`: the file (the
+    default model's when None; benchmarks/gpu_carry.py cuts one that a device call carries)."""
     from benchmarks.quality import PROMPTS
     from benchmarks.quant_cases import AGREEMENT, hf_dequantized_greedy, tessera_greedy
     from services.default_model import gguf_path
     from tessera import LLM
     from worker_service.models.layers import Linear
 
-    llm = LLM(quantization="gguf", dtype="float32", kv_cache_memory="256MiB", max_num_seqs=8)
+    path = path or gguf_path()
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="256MiB", max_num_seqs=8)
     try:
         linears = [m for m in llm.worker.runner.model.modules() if isinstance(m, Linear)]
         on_cuda = all(m.quant is not None and m.quant.blocks.is_cuda for m in linears)
@@ -118,19 +121,24 @@ def model_check() -> dict[str, Any]:
         ours = tessera_greedy(llm, prompts)
     finally:
         llm.shutdown()
-    theirs = hf_dequantized_greedy(gguf_path(), prompts)
+    theirs = hf_dequantized_greedy(path, prompts)
     agree = sum(a == b for a, b in zip(ours, theirs, strict=True))
     ok = on_cuda and agree >= AGREEMENT["Q4_1"]
-    return {"blocks_on_cuda": on_cuda, "greedy_agreement": f"{agree}/{len(prompts)}", "ok": ok}
+    return {
+        "file": path.name,
+        "blocks_on_cuda": on_cuda,
+        "greedy_agreement": f"{agree}/{len(prompts)}",
+        "ok": ok,
+    }
 
 
 def quant_report(
-    median_ms: Callable[[Callable[[], object]], float], timing: bool
+    median_ms: Callable[[Callable[[], object]], float], timing: bool, gguf: Path | None = None
 ) -> dict[str, Any]:
     """The dequant section of the gpu_check report; "ok" false when a check failed."""
     checks = quant_correctness()
     try:
-        model = model_check()
+        model = model_check(gguf)
     except Exception as exc:  # a missing model package must not hide the kernel results
         model = {"ok": False, "error": repr(exc)}
     failed = [c for c in checks if not c["ok"]]
