@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from benchmarks.attention_cases import ATTENTION_CASES, TRITON_BATCHES, build_case
 from benchmarks.gpu_check_quant import correctness_section, model_check, timing_section
+from benchmarks.report import markdown_table
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.reference import ReferenceAttentionBackend
 from worker_service.attention.triton_backend import TritonAttentionBackend
@@ -232,6 +233,26 @@ def attention_report(timing: bool) -> dict[str, Any]:
     }
 
 
+def summary(report: dict[str, Any]) -> str:
+    """Markdown of a report: each section's verdict, then the attention and dequant timings."""
+    lines = [f"# GPU check on {report['device']}\n"]
+    for key, part in report.items():
+        if isinstance(part, dict):
+            facts = {k: v for k, v in part.items() if isinstance(v, str | int | float | bool)}
+            lines.append(f"- **{key}**: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    columns = {
+        "attention": ["shape", "heads", "triton_attention_ms", "triton_write_kv_ms",
+                      "sdpa_dense_padded_ms"],
+        "dequant_timings": ["shape", "format", "dequant_gemm_ms", "torch_bf16_ms",
+                            "bf16_over_dequant"],
+    }  # fmt: skip
+    for key, names in columns.items():
+        if report.get(key, {}).get("timings"):
+            lines.append(f"\n## {key} (median ms of CUDA events)\n")
+            lines.append(markdown_table(report[key]["timings"], names))
+    return "\n".join(lines) + "\n"
+
+
 def run_sections(sections: dict[str, Callable[[], dict[str, Any]]], out: Path | None) -> bool:
     """Run each section, writing the report after each (a device call cut short keeps what
     finished); a section that raises is recorded and the rest still run. True when all ok."""
@@ -247,6 +268,8 @@ def run_sections(sections: dict[str, Callable[[], dict[str, Any]]], out: Path | 
         if out is not None:
             out.write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, indent=1, default=str))
+    if out is not None:
+        out.with_suffix(".md").write_text(summary(report))
     return all(part.get("ok", True) for part in report.values() if isinstance(part, dict))
 
 
