@@ -4,7 +4,8 @@
 //   x . w = d d_x sum(q q_x) + m sum(x)
 // (m: the block's offset, 0 for Q8_0; sum(x) exact in float32). AVX2's u8 x s8 multiply-add
 // (vpmaddubsw) takes all 32 products of a block in one instruction where the float path
-// widens them to floats 8 at a time: half the instructions a weight, on the bf16 (fast) path.
+// widens them to floats 8 at a time: half the instructions a weight, on the bf16 (fast) path;
+// VNNI's vpdpbusd (AVX512-VNNI builds) sums them to int32 in that one instruction.
 // The float path (gguf_gemm.h) stays the exact one: float32 models, builds without AVX2.
 #pragma once
 
@@ -60,8 +61,8 @@ inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32 u8: values 0-15, t
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-// Each format: load() gives the block's 32 values (`u` unsigned: Q4 nibbles; else signed),
-// d and m; products() the 16 int16 pair sums of values x q_x.
+// Each format: load() gives the block's 32 values (Q4: nibbles; Q8_0: signed bytes), d and m;
+// operands() the unsigned and signed bytes whose products are values x q_x.
 struct Q4_0 {
   static constexpr int kType = 2, kBytes = 18;
   static constexpr bool kHasMin = true;
@@ -70,7 +71,7 @@ struct Q4_0 {
     m = -8.0f * d;
     return nibbles(b + 2);
   }
-  static __m256i products(__m256i w, __m256i qx) { return _mm256_maddubs_epi16(w, qx); }
+  static void operands(__m256i&, __m256i&) {}
 };
 
 struct Q4_1 {
@@ -81,7 +82,7 @@ struct Q4_1 {
     m = half_at(b + 2);
     return nibbles(b + 4);
   }
-  static __m256i products(__m256i w, __m256i qx) { return _mm256_maddubs_epi16(w, qx); }
+  static void operands(__m256i&, __m256i&) {}
 };
 
 struct Q8_0 {
@@ -92,11 +93,23 @@ struct Q8_0 {
     m = 0.0f;
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   }
-  // s8 x s8 as |w| x (q_x with w's sign): |w| <= 127 keeps the pair sums within int16.
-  static __m256i products(__m256i w, __m256i qx) {
-    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(qx, w));
+  // s8 x s8 as |w| x (q_x with w's sign): |w| <= 128 keeps the pair sums within int16.
+  static void operands(__m256i& w, __m256i& qx) {
+    qx = _mm256_sign_epi8(qx, w);
+    w = _mm256_sign_epi8(w, w);
   }
 };
+
+// The 8 int32 sums of 4 adjacent products each of a block's 32 values and 32 q_x.
+template <typename F>
+inline __m256i block_dot(__m256i w, __m256i qx) {
+  F::operands(w, qx);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, qx);  // u8 x s8 to int32 at once
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, qx), _mm256_set1_epi16(1));
+#endif
+}
 
 // Rows of quantized x . row n of F blocks.
 template <typename F>
@@ -107,30 +120,49 @@ struct Q8Dot {
   const uint8_t* w;    // [N, K / 32 * F::kBytes]
   int64_t K;
 
+  // Independent chains of sums per row (consecutive blocks alternate between them): one or two
+  // rows would otherwise wait on the latency of one FMA a block.
+  template <int M>
+  static constexpr int kChains = M <= 2 ? 2 : 1;
+
   template <int M>
   void run(int64_t r0, int64_t n, float (&sums)[M]) const {
+    constexpr int C = kChains<M>;
     const int64_t blocks = K / kBlock;
     const uint8_t* row = w + n * blocks * F::kBytes;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[M];
-    float offset[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), offset[m] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      float d, mn;
-      prefetch::ahead(row + b * F::kBytes);
-      const __m256i q = F::load(row + b * F::kBytes, d, mn);
-      for (int m = 0; m < M; ++m) {
-        const int64_t r = (r0 + m) * blocks + b;
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * kBlock));
-        const __m256i dot = _mm256_madd_epi16(F::products(q, xq), ones);  // 8 int32 sums
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[r]), acc[m]);
-        if (F::kHasMin) offset[m] += mn * xsum[r];
-      }
-    }
+    __m256 acc[M][C];
+    float offset[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm256_setzero_ps(), offset[m][c] = 0.0f;
+    int64_t b = 0;
+    for (; b + C <= blocks; b += C)
+      for (int c = 0; c < C; ++c) add_block<M>(row, r0, b + c, acc, offset, c);
+    for (; b < blocks; ++b) add_block<M>(row, r0, b, acc, offset, 0);
     for (int m = 0; m < M; ++m) {
-      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      for (int c = 1; c < C; ++c) acc[m][0] = _mm256_add_ps(acc[m][0], acc[m][c]);
+      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m][0]),
+                                  _mm256_extractf128_ps(acc[m][0], 1));
       const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      sums[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + offset[m];
+      float off = 0.0f;
+      for (int c = 0; c < C; ++c) off += offset[m][c];
+      sums[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) + off;
+    }
+  }
+
+  // Block b of the weight row into chain c of each row's sums.
+  template <int M, int C>
+  void add_block(const uint8_t* row, int64_t r0, int64_t b, __m256 (&acc)[M][C],
+                 float (&offset)[M][C], int c) const {
+    const int64_t blocks = K / kBlock;
+    float d, mn;
+    prefetch::ahead(row + b * F::kBytes);
+    const __m256i q = F::load(row + b * F::kBytes, d, mn);
+    for (int m = 0; m < M; ++m) {
+      const int64_t r = (r0 + m) * blocks + b;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * kBlock));
+      const __m256 dot = _mm256_cvtepi32_ps(block_dot<F>(q, xq));
+      acc[m][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * dx[r]), acc[m][c]);
+      if (F::kHasMin) offset[m][c] += mn * xsum[r];
     }
   }
 };
