@@ -33,7 +33,7 @@ from benchmarks.report import (
     write_results,
 )
 from benchmarks.vllm_env import DEFAULT_VENV, VllmEnv, VllmUnavailable, run_job
-from services.config import CacheConfig, ModelConfig, WorkerConfig
+from services.config import DEFAULT_MODEL, CacheConfig, ModelConfig, WorkerConfig
 from services.default_model import resolve_model
 from services.step_types import CachedRequestData, NewRequestData, SchedulerOutput
 from services.types import SamplingParams
@@ -62,7 +62,7 @@ class WorkerBench:
         model_path: str | None = None,
     ) -> None:
         model = ModelConfig(
-            **({"model": model_path} if model_path else {}),
+            model=model_path or DEFAULT_MODEL,
             dtype=dtype,
             quantization=quantization,
             quantization_group_size=group,

@@ -15,7 +15,10 @@ NAME-kv-int8 / NAME-kv-fp8: format NAME over a quantized KV cache, `--kv-cache-d
 - batch-1 and batch-32 decode tokens/s of the in-process worker (decode_bench.WorkerBench),
   formats interleaved in each repeat, medians over --repeats;
 - the bytes of the weights the worker holds;
-- for a quantized KV cache, perplexity over the same format's model-dtype cache (ppl_vs_kv_auto).
+- for a quantized KV cache, perplexity over the same format's model-dtype cache (ppl_vs_kv_auto);
+- llama.cpp on the same Q4_1 GGUF (llama-cpp-python in `.bench/llamacpp`, installed on first
+  use; `--skip-llama-cpp` leaves it out): perplexity over the same token ids and windows, and
+  batch-1 and batch-32 decode of the same prompts and steps with as many threads as Tessera.
 Writes bench-results/quality.json and .md and prints the table.
 """
 
@@ -29,10 +32,12 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.decode_bench import WorkerBench
+from benchmarks.decode_bench import PROMPT_LEN, WorkerBench, _prompt
+from benchmarks.llama_cpp_env import DEFAULT_VENV as LLAMA_CPP_VENV
+from benchmarks.llama_cpp_env import LlamaCppUnavailable, run_job
 from benchmarks.report import RESULTS_DIR, cpu_info, cpu_line, markdown_table, write_results
 from gateway.tokenizer import Tokenizer
-from services.default_model import resolve_model
+from services.default_model import gguf_path, resolve_model
 from services.types import SamplingParams
 from tessera import LLM
 from worker_service.models.layers import Linear
@@ -51,6 +56,7 @@ FORMATS: dict[str, tuple[Dtype, str, str]] = {
     "bf16-kv-int8": ("bfloat16", "none", "int8"),
     "bf16-kv-fp8": ("bfloat16", "none", "fp8_e4m3"),
 }
+LLAMA_CPP = "llama.cpp-q4_1"  # the llama.cpp row's name
 GROUPS = {"int4-g128": 128}  # --quantization-group-size of a format (else 32)
 PROMPTS = [
     "The capital of France is",
@@ -165,12 +171,34 @@ def speed(names: list[str], steps: int, repeats: int) -> dict[str, dict[str, flo
     return out
 
 
+def llama_cpp(args: argparse.Namespace, ids: list[int]) -> tuple[dict[str, Any], str | None]:
+    """llama.cpp's perplexity and decode speed on the default GGUF, as a (quality, speed) row
+    pair under "llama.cpp-q4_1"; or the reason it could not run."""
+    job = {
+        "model": str(gguf_path()), "threads": torch.get_num_threads(),
+        "prompts": [_prompt(i, PROMPT_LEN) for i in range(32)], "batches": [1, 32],
+        "steps": args.steps, "repeats": args.repeats, "text_ids": ids, "window": args.window,
+    }  # fmt: skip
+    try:
+        result = run_job(job, args.llama_cpp_venv)
+    except LlamaCppUnavailable as exc:
+        print(f"llama.cpp: {exc}", flush=True)
+        return {}, str(exc)
+    row = {
+        "format": LLAMA_CPP, "dtype": f"llama.cpp {result['llama_cpp_version']}",
+        "kv_cache": "f16", "perplexity": result["perplexity"], "greedy_equal": "-",
+        "mean_prefix": "-", "b1_tok_s": result["b1_tok_s"], "b32_tok_s": result["b32_tok_s"],
+        "weights_mb": gguf_path().stat().st_size / 2**20,
+    }  # fmt: skip
+    return row, None
+
+
 def rows(
     results: list[dict[str, Any]], speeds: dict[str, dict[str, float]]
 ) -> list[dict[str, Any]]:
     """Quality and speed per format, with ratios to fp32 perplexity and to bf16 speed, and
     a quantized KV cache's perplexity over its format's model-dtype cache (NAME-kv-*: NAME)."""
-    by_name = {r["format"]: {**r, **speeds[r["format"]]} for r in results}
+    by_name = {r["format"]: {**r, **speeds.get(r["format"], {})} for r in results}
     fp32, bf16 = by_name.get("fp32"), by_name.get("bf16")
     for name, row in by_name.items():
         row["ppl_vs_fp32"] = row["perplexity"] / fp32["perplexity"] if fp32 else None
@@ -187,7 +215,10 @@ def table(data: dict[str, Any]) -> str:
         f"{cpu_line(data['cpu'])}; perplexity over {data['text_tokens']} tokens of "
         f"`{TEXT.name}` in {data['window']}-token windows; greedy vs HF float32 on "
         f"{len(PROMPTS)} prompts x {data['new_tokens']} tokens; decode medians of "
-        f"{data['repeats']} repeats of {data['steps']} steps.\n\n"
+        f"{data['repeats']} repeats of {data['steps']} steps. {LLAMA_CPP}: llama.cpp itself "
+        f"on the GGUF Tessera serves as gguf-q4_1, same prompts, steps and threads"
+        + (f" (not run: {data['llama_cpp_error']})" if data.get("llama_cpp_error") else "")
+        + ".\n\n"
     )
     return head + markdown_table(data["rows"], COLUMNS)
 
@@ -202,16 +233,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     p.add_argument("--repeats", type=int, default=3, help="decode repeats; figures are medians")
     p.add_argument("--name", default="quality", help="result file name")
+    p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp row")
+    p.add_argument("--llama-cpp-venv", type=Path, default=LLAMA_CPP_VENV)
     args = p.parse_args(argv)
     tokenizer = Tokenizer.load(resolve_model("default"))
     ids = tokenizer.encode(TEXT.read_text(), False)
     prompts = [tokenizer.encode(t, False) for t in PROMPTS]
     reference = hf_greedy(prompts, args.new_tokens)
     results = [quality(name, args, ids, prompts, reference) for name in args.formats]
+    speeds = speed(args.formats, args.steps, args.repeats)
+    llama_row, llama_error = llama_cpp(args, ids) if not args.skip_llama_cpp else ({}, "skipped")
     data = {
         "cpu": cpu_info(), "window": args.window, "new_tokens": args.new_tokens,
         "steps": args.steps, "repeats": args.repeats, "text_tokens": len(ids),
-        "rows": rows(results, speed(args.formats, args.steps, args.repeats)),
+        "rows": rows(results + ([llama_row] if llama_row else []), speeds),
+        "llama_cpp_error": llama_error,
     }  # fmt: skip
     text = table(data)
     write_results(args.name, data, text, RESULTS_DIR)

