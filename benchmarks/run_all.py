@@ -3,7 +3,8 @@
 Runs the decode micro-benchmark and offline throughput (HF and vLLM in the same run),
 the per-step scheduler + gRPC overhead, scheduler CPU time, speculative decoding (batch-1
 decode with and without ngram drafts), multi-LoRA throughput (4 adapters mixed against base
-only), the weight formats' quality and decode speed (fp32, bf16, int8, the GGUF file), and
+only), the weight formats' quality and decode speed (fp32, bf16, int8, the GGUF file, and
+llama.cpp on that file), and
 online serving against
 a `tessera serve` and a vLLM OpenAI server it starts itself, one after the other, with
 the same client, prompts and rates. vLLM's CPU build lives in its own venv (`--vllm-venv`,
