@@ -1,8 +1,10 @@
-"""The GGUF GEMM on AMX tiles (amx_gguf.h, the bf16 fast path from 6 rows on AMX CPUs): every
-block format, dequantized to bf16 a panel of 32 weight rows at a time, against a float64
-matmul of x with the same weights rounded to bf16. Row counts across the 16-row tiles and
-their pairs, column tails of the 32-row panels, bias. Runs only where the CPU has AMX tiles
-for bf16; elsewhere each test skips and says so."""
+"""The GGUF GEMM over bf16 panels (amx_gguf.h, the bf16 fast path from 6 rows on AMX CPUs,
+from 8 with AVX512-BF16 dot products on those without tiles): every block format, dequantized
+to bf16 a panel of 32 weight rows at a time, against a float64 matmul of x with the same
+weights rounded to bf16. Row counts across the 16-row tiles and their pairs and the 8-row
+blocks of the dots, column tails of the 32-row panels, bias. Runs only where the build has
+AVX512-BF16 (the tile tests: where the CPU has AMX tiles); elsewhere each test skips and says
+so."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import pytest
 import torch
 
 from tests.worker.test_small_gemm import random_blocks
+from worker_service import native
 from worker_service.models import cpu_ops, quant
 
 ROWS = [
-    cpu_ops.AMX_GGUF_ROWS,
+    cpu_ops.BF16_GGUF_ROWS,  # both kernels' (the tiles' from AMX_GGUF_ROWS)
+    9,
     15,
     16,
     17,
@@ -32,18 +36,27 @@ def _cases() -> list[tuple[int, int, int]]:
     ]
 
 
+@pytest.fixture(scope="module")
+def panel_ops() -> cpu_ops.CpuOps:
+    """The fused ops where FAST multiplies bf16 panels: an AVX512_BF16 build (tiles or not)."""
+    ops = cpu_ops.load()
+    if ops is None or native.cpu_level() != "AVX512_BF16":
+        pytest.skip("needs a CPU with AVX512-BF16 (the bf16 panels' build)")
+    return ops
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(
     ("ggml_type", "n", "k"), _cases(), ids=lambda v: quant.TYPE_NAMES.get(v, str(v))
 )
-def test_tiles_multiply_the_weights_rounded_to_bf16(
-    amx_ops: cpu_ops.CpuOps, ggml_type: int, rows: int, n: int, k: int
+def test_panels_multiply_the_weights_rounded_to_bf16(
+    panel_ops: cpu_ops.CpuOps, ggml_type: int, rows: int, n: int, k: int
 ) -> None:
     torch.manual_seed(rows * n + k + ggml_type)
     blocks = random_blocks(ggml_type, n, k)
     x, b = torch.randn(rows, k).bfloat16(), torch.randn(n).bfloat16()
     w = quant.dequantize_blocks(blocks, ggml_type).bfloat16().double()
-    ours = amx_ops.gemm_gguf(x, blocks, ggml_type, b, path=cpu_ops.FAST)
+    ours = panel_ops.gemm_gguf(x, blocks, ggml_type, b, path=cpu_ops.FAST)
     exact = x.double() @ w.T + b.double()
     magnitude = x.double().abs() @ w.abs().T + b.double().abs()
     # Output rounded once to bf16; float32 sums; a weight's bf16 rounding may differ by one
@@ -52,15 +65,15 @@ def test_tiles_multiply_the_weights_rounded_to_bf16(
     assert ((ours.double() - exact).abs() <= bound).all()
 
 
-def test_a_rows_result_does_not_depend_on_the_others(amx_ops: cpu_ops.CpuOps) -> None:
-    """On the tiles each row's sums run over K in one order whatever the batch."""
+def test_a_rows_result_does_not_depend_on_the_others(panel_ops: cpu_ops.CpuOps) -> None:
+    """Over the panels each row's sums run over K in one order whatever the batch."""
     torch.manual_seed(0)
     blocks = random_blocks(quant.Q4_1, 960, 576)
     x = torch.randn(70, 576).bfloat16()
-    batch = amx_ops.gemm_gguf(x, blocks, quant.Q4_1, None, path=cpu_ops.FAST)
-    few = cpu_ops.AMX_GGUF_ROWS
+    batch = panel_ops.gemm_gguf(x, blocks, quant.Q4_1, None, path=cpu_ops.FAST)
+    few = cpu_ops.BF16_GGUF_ROWS
     for i in (0, 17, 70 - few):
-        alone = amx_ops.gemm_gguf(x[i : i + few], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
+        alone = panel_ops.gemm_gguf(x[i : i + few], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
         assert torch.equal(alone, batch[i : i + few])
 
 
@@ -76,4 +89,21 @@ def test_the_fast_path_takes_the_tiles_from_amx_gguf_rows(amx_ops: cpu_ops.CpuOp
     fewer = amx_ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.FAST)
     assert torch.equal(
         fewer, amx_ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.INT8)
+    )
+
+
+def test_without_tiles_the_fast_path_takes_panels_from_bf16_gguf_rows(
+    panel_ops: cpu_ops.CpuOps,
+) -> None:
+    """No tiles: below BF16_GGUF_ROWS rows the fast path is int8 x, from there the panels."""
+    if panel_ops.amx:
+        pytest.skip("this CPU lends AMX tiles: the fast path takes them")
+    torch.manual_seed(1)
+    blocks = random_blocks(quant.Q8_0, 64, 576)
+    x = torch.randn(cpu_ops.BF16_GGUF_ROWS, 576).bfloat16()
+    fast = panel_ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.FAST)
+    assert not torch.equal(fast, panel_ops.gemm_gguf(x, blocks, quant.Q8_0, None, cpu_ops.INT8))
+    fewer = panel_ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.FAST)
+    assert torch.equal(
+        fewer, panel_ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.INT8)
     )

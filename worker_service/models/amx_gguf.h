@@ -29,6 +29,7 @@
 #include "bf16.h"
 #include "gguf_formats.h"
 #include "prefetch.h"
+#include "small_gemm.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
@@ -207,33 +208,49 @@ inline void panel_product(const uint16_t* buf, const uint16_t* xp, const uint16_
   }
 }
 
+// Without tiles: the panel's `count` weight rows times every row of x (row-major) with
+// AVX512-BF16 pair dot products (small_gemm's bf16 row blocks), into out's columns n0...
+inline void panel_dots(const uint16_t* buf, const uint16_t* x, const uint16_t* bias,
+                       uint16_t* out, int64_t rows, int64_t K, int64_t n0, int64_t count,
+                       int64_t N) {
+  const small_gemm::Bf16Dot dot{x, buf, K};
+  const small_gemm::Output<small_gemm::Bf16Dot, uint16_t> o{dot, bias ? bias + n0 : nullptr,
+                                                            out + n0, N};
+  for (int64_t r0 = 0; r0 < rows; r0 += small_gemm::kRowBlock)
+    o.rows_block(r0, std::min<int64_t>(small_gemm::kRowBlock, rows - r0), 0, count);
+}
+
 template <typename F>
 void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint16_t* out,
-                 int64_t rows, int64_t K, int64_t N, int num_threads) {
-  const std::vector<uint16_t> xp = pack_x(x, rows, K);
+                 int64_t rows, int64_t K, int64_t N, bool tiles, int num_threads) {
+  const std::vector<uint16_t> xp = tiles ? pack_x(x, rows, K) : std::vector<uint16_t>();
   const int64_t panels = (N + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, panels)))
   {
     std::vector<uint16_t> buf(kPanel * K);
-    amx_gemm::configure_full();
+    if (tiles) amx_gemm::configure_full();
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kPanel, count = std::min(kPanel, N - n0);
       dequantize_panel<F>(w, K, n0, count, buf.data());
-      panel_product(buf.data(), xp.data(), bias, out, rows, K, n0, N);
+      if (tiles)
+        panel_product(buf.data(), xp.data(), bias, out, rows, K, n0, N);
+      else
+        panel_dots(buf.data(), x, bias, out, rows, K, n0, count, N);
     }
-    _tile_release();
+    if (tiles) _tile_release();
   }
 }
 
-// gguf_gemm::gemm on AMX tiles for bf16 x. Returns 0, 2 for rows < 1 or K not whole blocks,
-// 3 for a type it does not know.
+// gguf_gemm::gemm for bf16 x over panels dequantized to bf16: on AMX tiles where `tiles`
+// (amx_gemm::lent()), else with AVX512-BF16 dot products. Returns 0, 2 for rows < 1 or K not
+// whole blocks, 3 for a type it does not know.
 inline int gemm(int type, const uint16_t* x, const uint8_t* w, const uint16_t* bias,
-                uint16_t* out, int64_t rows, int64_t K, int64_t N, int num_threads) {
+                uint16_t* out, int64_t rows, int64_t K, int64_t N, bool tiles, int num_threads) {
   return gguf_gemm::with_format(type, [&](auto format) {
     using F = decltype(format);
     if (rows < 1 || K % (kGroup * F::kGroups) != 0) return 2;
-    gemm_format<F>(x, w, bias, out, rows, K, N, num_threads);
+    gemm_format<F>(x, w, bias, out, rows, K, N, tiles, num_threads);
     return 0;
   });
 }

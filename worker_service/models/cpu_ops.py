@@ -65,6 +65,8 @@ _SIGNATURES: dict[str, list[Any]] = {
 SMALL_GEMM_ROWS = 8
 EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
 AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kAmxRows)
+# Without tiles, from this many rows FAST takes bf16 panels with AVX512-BF16 dots (kBf16Rows)
+BF16_GGUF_ROWS = 8
 
 
 @functools.cache
