@@ -1,4 +1,5 @@
-// GEMMs over GGUF's blocks on AMX tiles (bf16): out = x @ dequantize(w).T + bias.
+// GEMMs over GGUF's blocks on bf16 panels: out = x @ dequantize(w).T + bias, on AMX tiles, or
+// with AVX512-BF16 pair dot products where the process has no tiles (panel_dots).
 //
 // The int8 dot products of gguf_q8.h cost a few vector instructions per 32 weights *per row
 // of x*: at a decode batch of 32 they are ten times slower than the bf16 weights on AMX. Here
@@ -12,8 +13,8 @@
 // as a bf16 checkpoint of the dequantized model holds them) by x in bf16, summed in float32.
 // Every block format of gguf_formats.h (Q4_0 ... Q6_K) decodes through its `Block`.
 //
-// Compiled in the AVX512_BF16 build with the AMX target for these functions only; taken where
-// amx_gemm::enable() succeeded in this process (amx_gemm::lent()).
+// Compiled in the AVX512_BF16 build with the AMX target for these functions only; the tiles
+// are taken where amx_gemm::enable() succeeded in this process (amx_gemm::lent()).
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -29,7 +30,6 @@
 #include "bf16.h"
 #include "gguf_formats.h"
 #include "prefetch.h"
-#include "small_gemm.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
@@ -208,16 +208,60 @@ inline void panel_product(const uint16_t* buf, const uint16_t* xp, const uint16_
   }
 }
 
-// Without tiles: the panel's `count` weight rows times every row of x (row-major) with
-// AVX512-BF16 pair dot products (small_gemm's bf16 row blocks), into out's columns n0...
+// Without tiles: sums of M rows of x (row-major, K) by weight rows n and n + 1 of the panel,
+// 32 products a pair dot product (vdpbf16ps). The panel sits in L1/L2, so two weight rows a
+// pass halve the loads of x a product (four a pass measured no faster on Zen 4); each row's
+// sums run over K in one order whatever M.
+template <int M>
+inline void dot_pair(const uint16_t* x, const uint16_t* w, int64_t K, float (&sums)[2][M]) {
+  __m512 acc[2][M];
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kTileK) {  // K: whole blocks of 32
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], xv, w0);
+      acc[1][m] = _mm512_dpbf16_ps(acc[1][m], xv, w1);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    sums[0][m] = _mm512_reduce_add_ps(acc[0][m]);
+    sums[1][m] = _mm512_reduce_add_ps(acc[1][m]);
+  }
+}
+
+// Rows r0 .. r0 + M of out, the panel's columns n0 + [0, count) (count even: the panel's rows
+// past count are zero, so an odd count's last pair reads one of them and drops its sums).
+template <int M>
+void panel_rows(const uint16_t* buf, const uint16_t* x, const uint16_t* bias, uint16_t* out,
+                int64_t r0, int64_t K, int64_t n0, int64_t count, int64_t N) {
+  for (int64_t n = 0; n < count; n += 2) {
+    float sums[2][M];
+    dot_pair<M>(x + r0 * K, buf + n * K, K, sums);
+    for (int j = 0; j < 2 && n + j < count; ++j) {
+      const float b = bias ? widen(bias[n0 + n + j]) : 0.0f;
+      for (int m = 0; m < M; ++m) store(sums[j][m] + b, out + (r0 + m) * N + n0 + n + j);
+    }
+  }
+}
+
+// Without tiles: the panel's `count` weight rows times every row of x, into out's columns n0...
 inline void panel_dots(const uint16_t* buf, const uint16_t* x, const uint16_t* bias,
                        uint16_t* out, int64_t rows, int64_t K, int64_t n0, int64_t count,
                        int64_t N) {
-  const small_gemm::Bf16Dot dot{x, buf, K};
-  const small_gemm::Output<small_gemm::Bf16Dot, uint16_t> o{dot, bias ? bias + n0 : nullptr,
-                                                            out + n0, N};
-  for (int64_t r0 = 0; r0 < rows; r0 += small_gemm::kRowBlock)
-    o.rows_block(r0, std::min<int64_t>(small_gemm::kRowBlock, rows - r0), 0, count);
+  int64_t r0 = 0;
+  for (; r0 + 8 <= rows; r0 += 8) panel_rows<8>(buf, x, bias, out, r0, K, n0, count, N);
+  switch (rows - r0) {  // M is a template argument so that the sums live in registers
+    case 1: return panel_rows<1>(buf, x, bias, out, r0, K, n0, count, N);
+    case 2: return panel_rows<2>(buf, x, bias, out, r0, K, n0, count, N);
+    case 3: return panel_rows<3>(buf, x, bias, out, r0, K, n0, count, N);
+    case 4: return panel_rows<4>(buf, x, bias, out, r0, K, n0, count, N);
+    case 5: return panel_rows<5>(buf, x, bias, out, r0, K, n0, count, N);
+    case 6: return panel_rows<6>(buf, x, bias, out, r0, K, n0, count, N);
+    case 7: return panel_rows<7>(buf, x, bias, out, r0, K, n0, count, N);
+    default: return;
+  }
 }
 
 template <typename F>
