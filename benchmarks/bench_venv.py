@@ -8,10 +8,15 @@ plain reason and the log's tail, which the benchmarks report instead of that eng
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +100,53 @@ class BenchVenv:
                 f"{self.name} install failed: `{' '.join(argv[:5])}` exited {done.returncode} "
                 f"(log: {log}): {tail(log)}"
             )
+
+    def run_job(
+        self, runner: Path, job: dict[str, Any], label: str, environ: dict[str, str],
+        timeout_s: float,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Run `runner JOB.json RESULT.json` with this venv's python (its own process group,
+        its output in log_dir/LABEL.log); returns the result dict."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{label}.log"
+        with tempfile.TemporaryDirectory() as tmp:
+            job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+            job_path.write_text(json.dumps(job))
+            argv = [str(self.python), str(runner), str(job_path), str(result_path)]
+            with log.open("w") as out, self.process_group(argv, out, environ) as proc:
+                try:
+                    code = proc.wait(timeout_s)
+                except subprocess.TimeoutExpired as exc:
+                    raise self.error(f"{self.name} {label} run failed: {exc}") from exc
+            if code != 0 or not result_path.is_file():
+                raise self.error(f"{self.name} {label} run exited {code} (log: {log}): {tail(log)}")
+            result: dict[str, Any] = json.loads(result_path.read_text())
+            return result
+
+    @contextmanager
+    def process_group(
+        self, argv: list[str], out: Any, environ: dict[str, str]
+    ) -> Iterator[subprocess.Popen[bytes]]:
+        """argv in a session of its own; on the way out SIGTERM, then SIGKILL to the whole
+        group, so an engine's child processes never outlive the benchmark."""
+        try:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environ,
+                                    start_new_session=True)  # fmt: skip
+        except OSError as exc:
+            raise self.error(f"{self.name} could not start: {exc}") from exc
+        try:
+            yield proc
+        finally:
+            _signal_group(proc.pid, signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
 
 
 def tail(path: Path, chars: int = 400) -> str:

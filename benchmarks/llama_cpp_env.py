@@ -7,14 +7,11 @@ instead of llama.cpp's figures.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_venv import BenchVenv, tail
+from benchmarks.bench_venv import BenchVenv
 
 LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
 DEFAULT_VENV = Path(".bench/llamacpp")
@@ -35,20 +32,5 @@ def run_job(
     """Run one job (see llama_cpp_runner.py) in llama.cpp's venv; returns its result dict."""
     env = installer(venv)
     env.ensure(install)
-    log = env.log_dir / "run.log"
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        argv = [str(env.python), str(RUNNER), str(job_path), str(result_path)]
-        try:
-            with log.open("w") as out:
-                code = subprocess.run(
-                    argv, stdout=out, stderr=subprocess.STDOUT, env=environ, timeout=timeout_s
-                ).returncode
-        except subprocess.TimeoutExpired as exc:
-            raise LlamaCppUnavailable(f"llama.cpp run failed: {exc}") from exc
-        if code != 0 or not result_path.is_file():
-            raise LlamaCppUnavailable(f"llama.cpp run exited {code} (log: {log}): {tail(log)}")
-        result: dict[str, Any] = json.loads(result_path.read_text())
-        return result
+    return env.run_job(RUNNER, job, "decode", environ, timeout_s)

@@ -11,14 +11,11 @@ with a plain reason, which the benchmarks report instead of vLLM's figures.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,21 +88,7 @@ def run_job(env: VllmEnv, job: dict[str, Any], timeout_s: float = 1800) -> dict[
     Each vLLM start warms up (compiles) its model first: about 2 minutes on 2 quiet cores,
     every time (vLLM 0.32's compile cache fails to load with this torch)."""
     ensure_installed(env)
-    env.log_dir.mkdir(parents=True, exist_ok=True)
-    log = env.log_dir / f"{job['mode']}.log"
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        argv = [str(env.python), str(RUNNER), str(job_path), str(result_path)]
-        with log.open("w") as out, _process_group(argv, out, env.environ()) as runner:
-            try:
-                code = runner.wait(timeout_s)
-            except subprocess.TimeoutExpired as exc:
-                raise VllmUnavailable(f"vLLM {job['mode']} run failed: {exc}") from exc
-        if code != 0 or not result_path.is_file():
-            raise VllmUnavailable(f"vLLM {job['mode']} run exited {code} (log: {log}): {tail(log)}")
-        result: dict[str, Any] = json.loads(result_path.read_text())
-        return result
+    return env.installer.run_job(RUNNER, job, job["mode"], env.environ(), timeout_s)
 
 
 @contextmanager
@@ -117,35 +100,9 @@ def serving(env: VllmEnv, model: str, port: int, timeout_s: float = 900) -> Iter
     argv = [str(env.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--max-model-len", "2048"]  # fmt: skip
-    with log.open("w") as out, _process_group(argv, out, env.environ()) as server:
+    with log.open("w") as out, env.installer.process_group(argv, out, env.environ()) as server:
         _wait_healthy(server, f"http://127.0.0.1:{port}/health", timeout_s, log)
         yield f"http://127.0.0.1:{port}"
-
-
-@contextmanager
-def _process_group(
-    argv: list[str], out: Any, environ: dict[str, str]
-) -> Iterator[subprocess.Popen[bytes]]:
-    """argv in a session of its own; on the way out SIGTERM, then SIGKILL to the whole group,
-    so vLLM's engine and worker processes never outlive the benchmark."""
-    try:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=environ,
-                                start_new_session=True)  # fmt: skip
-    except OSError as exc:
-        raise VllmUnavailable(f"vLLM could not start: {exc}") from exc
-    try:
-        yield proc
-    finally:
-        _signal_group(proc.pid, signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(60)
-        _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
 
 
 def _wait_healthy(server: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path) -> None:
