@@ -1,8 +1,9 @@
-"""`--quantization int4`: every linear layer becomes Q4_1 blocks at load, one scale and offset
-per group of 32, 64 or 128 weights of a row (a shorter last group where a row is not whole
-groups: the default model's 576 inputs in groups of 128), and Tessera's greedy (float32)
-equals HF generate over the same weights (each linear weight its int4 dequantization), 8
-prompts x 32 tokens, on the default model and on a tiny random Llama."""
+"""`--quantization int4`: every linear layer but the output head becomes Q4_1 blocks at load,
+one scale and offset per group of 32, 64 or 128 weights of a row (a shorter last group where a
+row is not whole groups: the default model's 576 inputs in groups of 128), the output head
+Q8_0, and Tessera's greedy (float32) equals HF generate over the same weights (each linear
+weight its dequantization), 8 prompts x 32 tokens, on the default model and on a tiny random
+Llama."""
 
 from __future__ import annotations
 
@@ -17,22 +18,25 @@ from gateway.tokenizer import Tokenizer
 from services.types import SamplingParams
 from tessera import LLM
 from tests.quant.prequant_files import save_tiny_llama
-from tests.quant.test_int8 import hf_with_quantized_linears
+from tests.quant.test_int8 import hf_with_quantized_linears, q8_0
 from tests.worker.tiny_dense import eight_prompts
 from worker_service.models.layers import Linear
-from worker_service.models.quant import Q4_1, dequantize_blocks
+from worker_service.models.quant import Q4_1, Q8_0, dequantize_blocks
 from worker_service.models.quant_int4 import quantize_q4_1
 
 NEW_TOKENS = 32
 
 
 def int4_greedy(model: str, group: int, prompts: list[list[int]] | list[str]) -> list[list[int]]:
-    """Tessera's float32 greedy tokens under --quantization int4; every linear is Q4_1."""
+    """Tessera's float32 greedy tokens under --quantization int4; every linear is Q4_1, the
+    output head Q8_0."""
     llm = LLM(model=model, quantization="int4", quantization_group_size=group, dtype="float32",
               kv_cache_memory="256MiB", max_num_seqs=8)  # fmt: skip
     try:
-        linears = [m for m in llm.worker.runner.model.modules() if isinstance(m, Linear)]
+        model = llm.worker.runner.model
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
         assert linears and all(m.quant is not None and m.quant.ggml_type == Q4_1 for m in linears)
+        assert model.lm_head.quant is not None and model.lm_head.quant.ggml_type == Q8_0
         ids = [p if isinstance(p, list) else llm.tokenizer.encode(p, False) for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         return [list(o.outputs[0].token_ids) for o in llm.generate(ids, params)]
@@ -43,7 +47,9 @@ def int4_greedy(model: str, group: int, prompts: list[list[int]] | list[str]) ->
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_greedy_equals_hf_on_the_default_model(group: int, default_model_dir: Path) -> None:
     ours = int4_greedy("default", group, PROMPTS)
-    hf = hf_with_quantized_linears(default_model_dir, lambda w: quantize_q4_1(w, group, None))
+    hf = hf_with_quantized_linears(
+        default_model_dir, lambda w: quantize_q4_1(w, group, None), head=q8_0
+    )
     tokenizer = Tokenizer.load(default_model_dir)
     prompts = [tokenizer.encode(p, False) for p in PROMPTS]
     assert ours == hf_greedy_with(hf, prompts, NEW_TOKENS)
@@ -58,7 +64,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
 def test_int4_greedy_equals_hf_on_a_tiny_llama(group: int, tiny_llama: Path) -> None:
     path = tiny_llama
     ours = int4_greedy(str(path), group, eight_prompts())
-    hf = hf_with_quantized_linears(path, lambda w: quantize_q4_1(w, group, None))
+    hf = hf_with_quantized_linears(path, lambda w: quantize_q4_1(w, group, None), head=q8_0)
     assert ours == hf_greedy_with(hf, eight_prompts(), NEW_TOKENS)
 
 

@@ -25,16 +25,19 @@ def q8_0(weight: torch.Tensor) -> BlockWeight:
 
 
 def hf_with_quantized_linears(
-    model_dir: Path, quantize: Callable[[torch.Tensor], BlockWeight] = q8_0
+    model_dir: Path,
+    quantize: Callable[[torch.Tensor], BlockWeight] = q8_0,
+    head: Callable[[torch.Tensor], BlockWeight] | None = None,
 ) -> nn.Module:
     """HF's model with each linear weight (the tied LM head too, untied) as the values of
-    its `quantize` blocks (Q8_0 by default)."""
+    its `quantize` blocks (Q8_0 by default; the LM head's `head` blocks where given)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    lm_head = model.get_output_embeddings()
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            blocks = quantize(module.weight.data)
+            blocks = (head if head and module is lm_head else quantize)(module.weight.data)
             module.weight = nn.Parameter(blocks.dequantize(torch.float32), requires_grad=False)
     return model
 

@@ -94,18 +94,26 @@ def quantize_q4_1(weight: torch.Tensor, group: int, ops: CpuOps | None) -> Block
 
 def quantize_at_load(model: torch.nn.Module, method: str, group: int) -> str:
     """`--quantization int8 / int4`: quantize every Linear of `model` whose rows are whole
-    32-blocks; what was done, for the log ("" for any other method)."""
+    32-blocks (int4: the output head to 8 bits); what was done, for the log ("" for any other
+    method)."""
     from worker_service.models.layers import Linear  # layers imports quant
 
     if method == "int8":
         return f"int8, {quantize_linears(model, method)} linear layers as Q8_0 blocks"
     if method != "int4":
         return ""
+    head = getattr(model, "lm_head", None)
     linears = [
         m for m in model.modules()
         if isinstance(m, Linear) and m.quant is None and m.in_features % BLOCK == 0
     ]  # fmt: skip
     ops = cpu_ops.load()
     for linear in linears:
-        linear.set_blocks(quantize_q4_1(linear.weight.data, group, ops))
-    return f"int4, {len(linears)} linear layers as Q4_1 blocks in groups of {group}"
+        if linear is head:
+            linear.quantize()  # Q8_0: the logits are where 4 bits hurt most (llama.cpp's Q4 too)
+        else:
+            linear.set_blocks(quantize_q4_1(linear.weight.data, group, ops))
+    return (
+        f"int4, {len(linears) - (head in linears)} linear layers as Q4_1 blocks in groups of "
+        f"{group}" + (", the output head as Q8_0" if head in linears else "")
+    )
