@@ -14,20 +14,21 @@ decode steps of one token per sequence, medians over `repeats`; and the perplexi
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import statistics
 import sys
 import time
 from typing import Any
 
-import llama_cpp as L
 import numpy as np
 
 
 class Context:
     """A llama.cpp context over `model` holding up to `seqs` sequences of `ctx` tokens each."""
 
-    def __init__(self, model: Any, threads: int, seqs: int, ctx: int) -> None:
+    def __init__(self, lib: Any, model: Any, threads: int, seqs: int, ctx: int) -> None:
+        self.lib = L = lib
         params = L.llama_context_default_params()
         params.n_ctx = seqs * ctx
         params.n_batch = params.n_ubatch = max(512, seqs)
@@ -48,20 +49,20 @@ class Context:
             b.seq_id[i][0] = seq
             b.logits[i] = logits or i == len(tokens) - 1
         b.n_tokens = len(tokens)
-        if L.llama_decode(self.ctx, b) != 0:
+        if self.lib.llama_decode(self.ctx, b) != 0:
             raise RuntimeError("llama_decode failed")
 
     def logits(self, i: int) -> np.ndarray:
-        ptr = L.llama_get_logits_ith(self.ctx, i)
+        ptr = self.lib.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
                                      shape=(self.n_vocab,)).astype(np.float64)  # fmt: skip
 
     def clear(self) -> None:
-        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
 
     def close(self) -> None:
-        L.llama_batch_free(self.batch)
-        L.llama_free(self.ctx)
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
 
 
 def decode_seconds(ctx: Context, prompts: list[list[int]], steps: int) -> float:
@@ -90,6 +91,7 @@ def perplexity(ctx: Context, ids: list[int], window: int) -> float:
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
+    L = importlib.import_module("llama_cpp")  # only in llama.cpp's venv, not the project's
     L.llama_backend_init()
     model = L.llama_model_load_from_file(job["model"].encode(), L.llama_model_default_params())
     if not model:
@@ -97,14 +99,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"llama_cpp_version": L.__version__}
     longest = max(len(p) for p in job["prompts"]) + job["steps"] + 8
     for batch in job["batches"]:
-        ctx = Context(model, job["threads"], batch, longest)
+        ctx = Context(L, model, job["threads"], batch, longest)
         prompts = job["prompts"][:batch]
         decode_seconds(ctx, prompts, job["steps"])  # warm-up
         times = [decode_seconds(ctx, prompts, job["steps"]) for _ in range(job["repeats"])]
         result[f"b{batch}_tok_s"] = batch * job["steps"] / statistics.median(times)
         ctx.close()
     if job.get("text_ids"):
-        ctx = Context(model, job["threads"], 1, job["window"] + 8)
+        ctx = Context(L, model, job["threads"], 1, job["window"] + 8)
         result["perplexity"] = perplexity(ctx, job["text_ids"], job["window"])
         ctx.close()
     L.llama_model_free(model)
