@@ -3,6 +3,7 @@ and benchmarks (no test-only imports, so it works from an installed wheel)."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import signal
@@ -83,6 +84,15 @@ class Stack:
                     pids[name] = int(pid)
         return pids
 
+    def hang_report(self, settle_s: float = 2.0) -> str:
+        """The output so far, after asking each live service for its threads' Python stacks
+        (SIGUSR1: services.log.enable_stack_dumps)."""
+        for pid in self.service_pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(settle_s)
+        return self.output()[-30000:]
+
     def stop(self, timeout_s: float = 60) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -98,7 +108,24 @@ def start_stack(
     *extra: str, timeout_s: float = 300, python: str = sys.executable, cwd: Path = REPO
 ) -> Stack:
     """Start `tessera serve` with the default model and wait until /health is 200 (`python`:
-    the interpreter whose install runs it; `cwd`: outside the repository to run a wheel's)."""
+    the interpreter whose install runs it; `cwd`: outside the repository to run a wheel's).
+    A start that hangs is reported (with every service's Python stacks) on stderr and tried
+    once more; a second hang raises RuntimeError with its report."""
+    for attempt in (1, 2):
+        stack = _launch(extra, python, cwd)
+        if wait_healthy(stack.process, stack.base_url, timeout_s):
+            return stack
+        report = (
+            f"tessera serve did not become healthy in {timeout_s:.0f} s:\n{stack.hang_report()}"
+        )
+        stack.stop()
+        if attempt == 2 or stack.process.returncode not in (0, -signal.SIGTERM):
+            raise RuntimeError(report)
+        print(f"{report}\n(starting it once more)", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _launch(extra: tuple[str, ...], python: str, cwd: Path) -> Stack:
     ports = [free_port() for _ in range(4)]
     argv = [
         python, "-m", "tessera", "serve",
@@ -112,9 +139,6 @@ def start_stack(
     )
     stack = Stack(process, ports[0], ports[1], ports[2], ports[3])
     threading.Thread(target=_pump, args=(stack,), daemon=True).start()
-    if not wait_healthy(stack.process, stack.base_url, timeout_s):
-        stack.stop()
-        raise RuntimeError(f"tessera serve did not become healthy:\n{stack.output()[-4000:]}")
     return stack
 
 

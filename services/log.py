@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import faulthandler
 import json
 import logging
+import signal
 import sys
 from typing import TextIO
 
@@ -74,6 +76,14 @@ def setup_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    enable_stack_dumps()
+
+
+def enable_stack_dumps() -> None:
+    """`kill -USR1 <pid>` prints every thread's Python stack to stderr, the service running on
+    (how to see where a hung service waits, without a debugger)."""
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def current_log_format() -> str:

@@ -10,6 +10,7 @@ and the worker. Children die with the launcher even when it is SIGKILLed (Linux)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -95,6 +96,14 @@ class Service:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def dump_stacks(self, settle_s: float = 1.0) -> None:
+        """Have the service print its threads' Python stacks (services.log.enable_stack_dumps)
+        into its log."""
+        if self.process is not None and self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGUSR1)
+            time.sleep(settle_s)
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`."""
@@ -198,10 +207,8 @@ class Launcher:
                 return True
             time.sleep(0.25)
         if not self._stop.is_set():
-            print(
-                f"tessera: {service.name} was not ready in {self.start_timeout_s:.0f}s",
-                file=sys.stderr,
-            )
+            _say(f"{service.name} was not ready in {self.start_timeout_s:.0f}s; its stacks:")
+            service.dump_stacks()
         return False
 
     def _supervise(self) -> None:

@@ -163,3 +163,22 @@ def test_tensor_parallel_ranks_inherit_the_format(restore_logging: object) -> No
     assert current_log_format() == "json"
     setup_logging("worker", "INFO", "text", stream=io.StringIO())
     assert current_log_format() == "text"
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_service_runs_on() -> None:
+    script = (
+        "import os, signal, sys, threading, time\n"
+        "from services.log import setup_logging\n"
+        "setup_logging('probe')\n"
+        "def parked_helper():\n    time.sleep(60)\n"
+        "threading.Thread(target=parked_helper, daemon=True).start()\n"
+        "time.sleep(0.2)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print('still running', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "still running" in done.stdout
+    assert "parked_helper" in done.stderr and "Current thread" in done.stderr

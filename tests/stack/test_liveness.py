@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from tessera.launcher import LIVENESS_MISSES, Service
+import pytest
+
+from tessera.launcher import LIVENESS_MISSES, Launcher, Service
 
 
 def test_misses_count_only_after_a_first_answer_and_kill_after_enough() -> None:
@@ -27,3 +29,18 @@ def test_misses_count_only_after_a_first_answer_and_kill_after_enough() -> None:
         assert not service.check_liveness()  # a dead process is the supervisor's business
     finally:
         service.stop(5)
+
+
+def test_a_service_not_ready_in_time_prints_its_stacks_and_the_start_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    hung = (
+        "import time\nfrom services.log import setup_logging\nsetup_logging('hung')\n"
+        "def waiting_for_godot():\n    time.sleep(60)\nwaiting_for_godot()\n"
+    )
+    service = Service("hung", [sys.executable, "-c", hung], ready=lambda: False, up=lambda: True)
+    launcher = Launcher([service], start_timeout_s=3, drain_timeout_s=1)
+    assert launcher.run(on_ready=lambda: None) == 1
+    out = capsys.readouterr()
+    assert "hung was not ready in 3s" in out.err
+    assert "[hung]" in out.out and "waiting_for_godot" in out.out
