@@ -78,8 +78,12 @@ def serve_vllm_and_bench(env: VllmEnv, port: int, bench_args: list[str]) -> Any:
 
 
 def serve_both(port: int, env: VllmEnv | None) -> None:
-    """Serving for Tessera, then vLLM (unless env is None), then the side-by-side files."""
+    """Serving for Tessera (bf16, then its Q4_1 GGUF at rate inf), then vLLM (unless env is
+    None), then the side-by-side files."""
     tessera = serve_and_bench(port, [], ["--name", "serve_tessera"])
+    gguf = serve_and_bench(
+        port, ["--quantization", "gguf"], ["--name", "serve_tessera_gguf", "--rates", "inf"]
+    )
     vllm, error = None, "left out (--skip vllm)" if env is None else None
     if env is not None:
         try:
@@ -87,7 +91,7 @@ def serve_both(port: int, env: VllmEnv | None) -> None:
         except VllmUnavailable as exc:
             error = str(exc)
             print(f"vLLM: {error}", flush=True)
-    data = serve_compare.combine(tessera, vllm, error, cpu_info(), RESULTS_DIR)
+    data = serve_compare.combine(tessera, vllm, error, cpu_info(), RESULTS_DIR, gguf)
     print(serve_compare.table(data))
 
 

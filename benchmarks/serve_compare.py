@@ -2,7 +2,10 @@
 prompts and rates) in one JSON, one Markdown table with Tessera's ratios, one plot.
 
 run_all writes serve_tessera.* and serve_vllm.* with serve_bench, then `combine` writes
-serve.json / serve.md / serve.png from them (vLLM's part may be an error instead).
+serve.json / serve.md / serve.png from them (vLLM's part may be an error instead). With
+Tessera serving the default model's Q4_1 GGUF as shipped (`--quantization gguf`, rate inf
+only), its rows join the table with its throughput over the bf16 default's (issue 21's
+serving target).
 """
 
 from __future__ import annotations
@@ -50,11 +53,15 @@ def combine(
     vllm_error: str | None,
     cpu: dict[str, Any],
     out_dir: Path,
+    tessera_gguf: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write serve.json, serve.md and serve.png from both engines' results (and, when out_dir
     has this run's offline.json, Tessera's serving at rate inf as a share of its offline)."""
     data: dict[str, Any] = {"cpu": cpu, "tessera": tessera, "vllm": vllm}
     data["tessera_vs_vllm"] = compare(tessera, vllm)
+    if tessera_gguf is not None:
+        data["tessera-gguf"] = tessera_gguf
+        data["gguf_inf_vs_bf16"] = ratio(inf_throughput(tessera_gguf), inf_throughput(tessera))
     share = serving_share_of_offline(tessera, out_dir / "offline.json")
     if share is not None:
         data["tessera_inf_share_of_offline"] = share
@@ -71,15 +78,20 @@ def serving_share_of_offline(tessera: dict[str, Any], offline_json: Path) -> flo
         return None
     rows = json.loads(offline_json.read_text()).get("results", [])
     offline = next((r["output_tokens_per_s"] for r in rows if r["engine"] == "tessera"), None)
-    served = next((figure(r, "output_throughput") for r in tessera["runs"]
-                   if math.isinf(r["request_rate"])), None)  # fmt: skip
+    served = inf_throughput(tessera)
     return None if not offline or served is None else served / offline
+
+
+def inf_throughput(results: dict[str, Any]) -> float | None:
+    """Output tok/s at rate inf (None where it did not run)."""
+    runs = [r for r in results["runs"] if math.isinf(r["request_rate"])]
+    return figure(runs[0], "output_throughput") if runs else None
 
 
 def table(data: dict[str, Any]) -> str:
     """One row per engine and rate, then Tessera / vLLM per rate."""
     rows = []
-    for engine in ("tessera", "vllm"):
+    for engine in ("tessera", "tessera-gguf", "vllm"):
         for run in (data.get(engine) or {}).get("runs", []):
             row: dict[str, Any] = {"engine": engine, "rate (req/s)": str(run["request_rate"])}
             row.update(ok=f"{run['completed']}/{run['num_prompts']}")
@@ -98,6 +110,11 @@ def table(data: dict[str, Any]) -> str:
     if "tessera_inf_share_of_offline" in data:
         share = data["tessera_inf_share_of_offline"]
         text += f"\nTessera serving at rate inf / Tessera offline (same run): **{share:.0%}**\n"
+    if data.get("gguf_inf_vs_bf16") is not None:
+        text += (
+            "\nTessera serving the default model's Q4_1 GGUF as shipped (`--quantization gguf`) "
+            f"/ the bf16 default, rate inf: **{data['gguf_inf_vs_bf16']:.2f}x**\n"
+        )
     if "vllm_error" in data:
         text += f"\nvLLM: not measured ({data['vllm_error']})\n"
     return text

@@ -157,3 +157,16 @@ def test_serving_share_of_offline(tmp_path: Path) -> None:
         "Tessera serving at rate inf / Tessera offline (same run): **80%**"
         in (tmp_path / "serve.md").read_text()
     )
+
+
+def test_serving_from_the_gguf_joins_the_table_with_its_ratio(tmp_path: Path) -> None:
+    gguf = {"runs": [r for r in _serve(390, 60, 9)["runs"] if math.isinf(r["request_rate"])]}
+    data = serve_compare.combine(_serve(300, 50, 10), None, "left out", CPU, tmp_path, gguf)
+    assert data["gguf_inf_vs_bf16"] == pytest.approx(1.3)
+    text = (tmp_path / "serve.md").read_text()
+    assert "| tessera-gguf | inf | 8/8 | 390.00 | 60.00 | 9.00 |" in text
+    assert "| tessera-gguf | 1.0 |" not in text
+    assert "/ the bf16 default, rate inf: **1.30x**" in text
+    assert "gguf_inf_vs_bf16" not in serve_compare.combine(
+        _serve(300, 50, 10), None, "left out", CPU, tmp_path
+    )
