@@ -166,11 +166,16 @@ async def served_model(base_url: str, api_key: str) -> str:
         return str(reply.json()["data"][0]["id"])
 
 
+def prompt_counts(num_prompts: str, rates: int) -> list[int]:
+    """--num-prompts ("64,32,48") -> one count per rate: the last repeats, extra ones unused."""
+    counts = [int(n) for n in num_prompts.split(",")]
+    return (counts + [counts[-1]] * rates)[:rates]
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or await served_model(args.base_url, args.api_key)
     rates = [float(r) for r in args.rates.split(",")]
-    counts = [int(n) for n in args.num_prompts.split(",")]
-    counts += [counts[-1]] * (len(rates) - len(counts))
+    counts = prompt_counts(args.num_prompts, len(rates))
     slo = (
         dict((k, float(v)) for k, v in (item.split(":") for item in args.goodput))
         if args.goodput
@@ -233,7 +238,11 @@ def parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("OPENAI_API_KEY", ""), help="bearer token to send"
     )
     p.add_argument("--rates", default="inf,1,2", help="comma-separated request rates (inf allowed)")
-    p.add_argument("--num-prompts", default="64,32,48", help="prompts per rate (last one repeats)")
+    p.add_argument(
+        "--num-prompts",
+        default="64,32,48",
+        help="prompts per rate, in order (the last one repeats; extra ones are unused)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before measuring")
     p.add_argument(
         "--goodput", nargs="*", default=["ttft:500", "tpot:50"], help="SLOs as metric:ms"

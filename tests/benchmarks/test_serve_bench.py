@@ -111,3 +111,9 @@ def test_rejected_requests_are_counted_not_crashed(other_server: str, tmp_path: 
     for run in data["runs"]:
         assert run["completed"] == 0 and run["failed"] == 6
         assert run["errors"] and run["errors"][0].startswith("HTTP 401")
+
+
+def test_one_prompt_count_per_rate() -> None:
+    assert serve_bench.prompt_counts("64,32,48", 1) == [64]
+    assert serve_bench.prompt_counts("64,32,48", 3) == [64, 32, 48]
+    assert serve_bench.prompt_counts("6", 2) == [6, 6]
