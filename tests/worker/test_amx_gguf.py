@@ -107,3 +107,47 @@ def test_without_tiles_the_fast_path_takes_panels_from_bf16_gguf_rows(
     assert torch.equal(
         fewer, panel_ops.gemm_gguf(x[:-1], blocks, quant.Q8_0, None, path=cpu_ops.INT8)
     )
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "n", "k"), _cases(), ids=lambda v: quant.TYPE_NAMES.get(v, str(v))
+)
+def test_dequantized_to_bf16_as_the_panels_hold_them(
+    panel_ops: cpu_ops.CpuOps, ggml_type: int, n: int, k: int
+) -> None:
+    torch.manual_seed(n + k + ggml_type)
+    blocks = random_blocks(ggml_type, n, k)
+    ours = panel_ops.dequantize_gguf(blocks, ggml_type, k)
+    assert ours is not None and ours.shape == (n, k) and ours.dtype == torch.bfloat16
+    exact = quant.dequantize_blocks(blocks, ggml_type).double()
+    # rounded once to bf16 (half an ulp, 2^-9 relative), from d q + m in float32, which may
+    # be one fused multiply-add in the kernel (one more ulp where that rounds the other way)
+    assert ((ours.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-30).all()
+
+
+def test_from_dequant_gguf_rows_a_bf16_gemm_runs_on_the_dequantized_weight(
+    panel_ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tiles: from DEQUANT_GGUF_ROWS rows BlockWeight.linear multiplies the weight
+    dequantized to bf16 through torch (oneDNN); below, the panels of gemm_gguf."""
+    if panel_ops.amx:
+        pytest.skip("this CPU lends AMX tiles: the tiles take every row count")
+    torch.manual_seed(2)
+    blocks, rows = random_blocks(quant.Q4_1, 96, 576), cpu_ops.DEQUANT_GGUF_ROWS
+    weight = quant.BlockWeight(blocks, quant.Q4_1, 576, panel_ops)
+    x, b = torch.randn(rows, 576).bfloat16(), torch.randn(96).bfloat16()
+    dense = panel_ops.dequantize_gguf(blocks, quant.Q4_1, 576)
+    assert dense is not None
+    calls: list[int] = []
+    dequantize = panel_ops.dequantize_gguf
+
+    def counted(*args: object) -> torch.Tensor | None:
+        calls.append(1)
+        return dequantize(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(panel_ops, "dequantize_gguf", counted)
+    assert torch.equal(weight.linear(x, b), torch.nn.functional.linear(x, dense, b))
+    assert len(calls) == 1
+    fewer = weight.linear(x[:-1], b)
+    assert len(calls) == 1
+    assert torch.equal(fewer, panel_ops.gemm_gguf(x[:-1], blocks, quant.Q4_1, b, cpu_ops.FAST))
