@@ -21,6 +21,7 @@ import importlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -79,18 +80,22 @@ def serve_vllm_and_bench(env: VllmEnv, port: int, bench_args: list[str]) -> Any:
 
 def serve_both(port: int, env: VllmEnv | None) -> None:
     """Serving for Tessera (bf16, then its Q4_1 GGUF at rate inf), then vLLM (unless env is
-    None), then the side-by-side files."""
-    tessera = serve_and_bench(port, [], ["--name", "serve_tessera"])
-    gguf = serve_and_bench(
-        port, ["--quantization", "gguf"], ["--name", "serve_tessera_gguf", "--rates", "inf"]
-    )
-    vllm, error = None, "left out (--skip vllm)" if env is None else None
-    if env is not None:
-        try:
-            vllm = serve_vllm_and_bench(env, port, ["--name", "serve_vllm"])
-        except VllmUnavailable as exc:
-            error = str(exc)
-            print(f"vLLM: {error}", flush=True)
+    None), then the side-by-side files (each run's own files go to a scratch directory)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = ["--out-dir", scratch]
+        tessera = serve_and_bench(port, [], ["--name", "serve_tessera", *out])
+        gguf = serve_and_bench(
+            port,
+            ["--quantization", "gguf"],
+            ["--name", "serve_tessera_gguf", "--rates", "inf", *out],
+        )
+        vllm, error = None, "left out (--skip vllm)" if env is None else None
+        if env is not None:
+            try:
+                vllm = serve_vllm_and_bench(env, port, ["--name", "serve_vllm", *out])
+            except VllmUnavailable as exc:
+                error = str(exc)
+                print(f"vLLM: {error}", flush=True)
     data = serve_compare.combine(tessera, vllm, error, cpu_info(), RESULTS_DIR, gguf)
     print(serve_compare.table(data))
 
