@@ -33,10 +33,10 @@ def int4_greedy(model: str, group: int, prompts: list[list[int]] | list[str]) ->
     llm = LLM(model=model, quantization="int4", quantization_group_size=group, dtype="float32",
               kv_cache_memory="256MiB", max_num_seqs=8)  # fmt: skip
     try:
-        model = llm.worker.runner.model
-        linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+        net = llm.worker.runner.model
+        linears = [m for m in net.modules() if isinstance(m, Linear) and m is not net.lm_head]
         assert linears and all(m.quant is not None and m.quant.ggml_type == Q4_1 for m in linears)
-        assert model.lm_head.quant is not None and model.lm_head.quant.ggml_type == Q8_0
+        assert net.lm_head.quant is not None and net.lm_head.quant.ggml_type == Q8_0
         ids = [p if isinstance(p, list) else llm.tokenizer.encode(p, False) for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         return [list(o.outputs[0].token_ids) for o in llm.generate(ids, params)]
