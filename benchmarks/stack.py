@@ -3,7 +3,6 @@ and benchmarks (no test-only imports, so it works from an installed wheel)."""
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import signal
@@ -20,6 +19,7 @@ import psutil
 
 from benchmarks.soak import free_port
 from services.config import SecurityConfig
+from services.log import request_stack_dumps
 from services.security import TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,10 +87,7 @@ class Stack:
     def hang_report(self, settle_s: float = 2.0) -> str:
         """The output so far, after asking each live service for its threads' Python stacks
         (SIGUSR1: services.log.enable_stack_dumps)."""
-        for pid in self.service_pids().values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
-        time.sleep(settle_s)
+        request_stack_dumps(self.service_pids().values(), settle_s)
         return self.output()[-30000:]
 
     def stop(self, timeout_s: float = 60) -> int:
@@ -120,10 +117,9 @@ def start_stack(
             f"tessera serve did not become healthy in {timeout_s:.0f} s:\n{stack.hang_report()}"
         )
         stack.stop()
-        if attempt == 2:
-            raise RuntimeError(report)
-        print(f"{report}\n(starting it once more)", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
+        if attempt == 1:
+            print(f"{report}\n(starting it once more)", file=sys.stderr, flush=True)
+    raise RuntimeError(report)
 
 
 def _launch(extra: tuple[str, ...], python: str, cwd: Path) -> Stack:

@@ -7,13 +7,17 @@ request is being handled (services.tracing) and `exc_info` for a logged exceptio
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime
 import faulthandler
 import json
 import logging
+import os
 import signal
 import sys
+import time
+from collections.abc import Iterable
 from typing import TextIO
 
 from services.flags import Flag
@@ -84,6 +88,15 @@ def enable_stack_dumps() -> None:
     (how to see where a hung service waits, without a debugger)."""
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+
+
+def request_stack_dumps(pids: Iterable[int], settle_s: float) -> None:
+    """Ask the processes `pids` (services that called enable_stack_dumps) for their stacks,
+    then give them `settle_s` to write them; a process already gone is skipped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(settle_s)
 
 
 def current_log_format() -> str:

@@ -10,7 +10,6 @@ and the worker. Children die with the launcher even when it is SIGKILLed (Linux)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
@@ -26,6 +25,7 @@ from typing import Any
 
 from services.grpc_utils import check_health, health_status
 from services.healthcheck import http_answers, http_healthy
+from services.log import request_stack_dumps
 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -101,9 +101,7 @@ class Service:
         """Have the service print its threads' Python stacks (services.log.enable_stack_dumps)
         into its log."""
         if self.process is not None and self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.process.pid, signal.SIGUSR1)
-            time.sleep(settle_s)
+            request_stack_dumps([self.process.pid], settle_s)
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`."""

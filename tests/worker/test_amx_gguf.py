@@ -151,3 +151,11 @@ def test_from_dequant_gguf_rows_a_bf16_gemm_runs_on_the_dequantized_weight(
     fewer = weight.linear(x[:-1], b)
     assert len(calls) == 1
     assert torch.equal(fewer, panel_ops.gemm_gguf(x[:-1], blocks, quant.Q4_1, b, cpu_ops.FAST))
+
+
+def test_only_the_avx512_bf16_build_dequantizes_to_bf16(panel_ops: cpu_ops.CpuOps) -> None:
+    """Below AVX512_BF16 BlockWeight.linear keeps gemm_gguf at every row count (asked once,
+    with an empty call), so no bf16 copy is allocated there for nothing."""
+    assert panel_ops.dequantizes_to_bf16
+    for level in ("", "AVX2"):  # (both run on every CPU this test runs on)
+        assert not cpu_ops.build(level).dequantizes_to_bf16

@@ -123,7 +123,7 @@ int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const v
 
 // w [N, K / 32 or K / 256] blocks of GGUF `type` -> out [N, K] bf16 (the values the bf16 fast
 // path multiplies); 3 where this build has no such path (below AVX512_BF16) or for an unknown
-// type, 2 for K not whole blocks.
+// type, 2 for K not whole blocks. N = 0 touches nothing: how Python asks whether it is built.
 int tessera_dequantize_gguf(int type, const void* w, void* out, int64_t N, int64_t K,
                             int num_threads) {
 #if defined(__AVX512BF16__)

@@ -258,22 +258,26 @@ class CpuOps:
         _check(status, "gemm_gguf")
         return out
 
+    @functools.cached_property
+    def dequantizes_to_bf16(self) -> bool:
+        """Whether this build has dequantize_gguf (AVX512_BF16, as the bf16 fast path): an
+        empty call answers without touching memory."""
+        return self.lib.tessera_dequantize_gguf(8, None, None, 0, 32, 1) != 3  # Q8_0, N = 0
+
     def dequantize_gguf(
         self,
         blocks: torch.Tensor,  # [N, K / block size * block bytes] uint8: GGUF blocks
         ggml_type: int,
         k: int,  # K
-    ) -> torch.Tensor | None:
-        """The blocks as [N, K] bf16, the values gemm_gguf's FAST path multiplies; None where
-        this build has no bf16 path (below AVX512_BF16) or does not know the type."""
+    ) -> torch.Tensor:
+        """The blocks as [N, K] bf16, the values gemm_gguf's FAST path multiplies (where
+        dequantizes_to_bf16)."""
         assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
         out = torch.empty(blocks.shape[0], k, dtype=torch.bfloat16)
         status = self.lib.tessera_dequantize_gguf(
             ggml_type, blocks.data_ptr(), out.data_ptr(), blocks.shape[0], k,
             torch.get_num_threads(),
         )  # fmt: skip
-        if status == 3:
-            return None
         _check(status, "dequantize_gguf")
         return out
 

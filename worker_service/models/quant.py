@@ -94,7 +94,7 @@ class BlockWeight:
         if x.dtype != torch.bfloat16 or x.shape[0] < cpu_ops.DEQUANT_GGUF_ROWS:
             return None
         assert self.ops is not None
-        if self.ops.amx:
+        if self.ops.amx or not self.ops.dequantizes_to_bf16:
             return None
         return self.ops.dequantize_gguf(self.blocks, self.ggml_type, self.in_features)
 
