@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -60,10 +61,11 @@ def compile_flags(level: str | None = None) -> list[str]:
     return [*FLAGS, *MARCH.get(level, []), *LIBS]
 
 
-def build(source: Path, level: str | None = None) -> ctypes.CDLL:
-    """The library built from `source` for `level` (compile_flags), built now unless cached.
-    Tests build the levels below this CPU's to check each variant of a kernel."""
-    flags = compile_flags(level)
+def build(source: Path, level: str | None = None, extra: Sequence[str] = ()) -> ctypes.CDLL:
+    """The library built from `source` for `level` (compile_flags) and `extra` flags (after
+    the others: a later -std wins), built now unless cached. Tests build the levels below
+    this CPU's to check each variant of a kernel."""
+    flags = [*compile_flags(level), *extra]
     digest = hashlib.sha256(_text(source) + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{build_stem(source, level)}-{digest}.so"
     if not target.exists():

@@ -20,7 +20,7 @@ from services.config import CacheConfig, ModelConfig, WorkerConfig
 from services.types import SamplingParams
 from tests.worker.driver import DriverRequest, MiniScheduler
 from tests.worker.test_greedy_vs_hf import REGIMES
-from worker_service.models import cpu_ops, fused_decode
+from worker_service.models import cpu_ops, fused_decode, onednn_bridge
 from worker_service.models.fused_decode import FusedDecode
 from worker_service.models.layers import Linear
 from worker_service.worker import Worker
@@ -40,7 +40,10 @@ def _worker(fused_rows: int, quantization: str = "none", **model: Any) -> Worker
 
 def _same_gemm_as_fused(worker: Worker) -> Worker:
     """The layers' dense GEMMs on the fused step's kernel at <= 8 rows (Linear.small_gemm;
-    on AMX CPUs both paths take the AMX GEMM already)."""
+    on AMX CPUs both paths take the AMX GEMM already, and with the oneDNN bridge the fused
+    step takes the layers' choice of GEMM at every row count)."""
+    if onednn_bridge.load() is not None:
+        return worker
     ops = cpu_ops.load()
     assert ops is not None
     for module in worker.runner.model.modules():
@@ -171,8 +174,40 @@ def test_rows_by_weight_format(pair: tuple[Worker, Worker]) -> None:
     model = pair[0].runner.model
     built = fused_decode.build(model, pair[0].runner.backend, -1)
     amx = any(isinstance(m, Linear) and m.amx is not None for m in model.modules())
-    rows = fused_decode.AMX_ROWS if amx else fused_decode.DENSE_ROWS  # AMX CPUs: on both paths
+    dense = fused_decode.ONEDNN_ROWS if onednn_bridge.load() else fused_decode.DENSE_ROWS
+    rows = fused_decode.AMX_ROWS if amx else dense  # AMX CPUs: on both paths
     assert built is not None and built.max_rows == rows
+
+
+def test_many_rows_take_onednn_and_equal_the_layers(
+    eight_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past 8 rows the fused step calls back into oneDNN (onednn_bridge) over the layers' own
+    packed weights: 24 requests decode together, and greedy agrees exactly with the layers."""
+    if onednn_bridge.load() is None:
+        pytest.skip("the oneDNN bridge cannot be built here (no torch headers or no oneDNN)")
+    rows: list[int] = []
+    run = FusedDecode._run
+
+    def counted(fused: FusedDecode, x: torch.Tensor, *args: Any) -> None:
+        rows.append(x.shape[0])
+        run(fused, x, *args)
+
+    monkeypatch.setattr(FusedDecode, "_run", counted)
+    prompts = [p[: 20 + 7 * k] for k in range(3) for p in eight_prompts]  # 24 requests
+    got = _many(_worker(-1), prompts)
+    assert max(rows) == 24 and len(rows) >= 20
+    assert got == _many(_worker(0), prompts)
+
+
+def _many(worker: Worker, prompts: list[list[int]]) -> dict[str, list[int]]:
+    block_size = worker.get_kv_cache_spec().block_size
+    sched = MiniScheduler(worker, 256, block_size, 4096, 24)
+    for i, prompt in enumerate(prompts):
+        sched.add(DriverRequest(f"many-{i}", prompt, GREEDY))
+    out = sched.run()
+    worker.shutdown()
+    return out
 
 
 def _meta(query_lens: list[int], verify: list[int] | None = None) -> Any:

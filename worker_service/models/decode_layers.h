@@ -30,15 +30,24 @@
 
 extern "C" {
 
+// A GEMM run by another library (models/onednn_bridge.cpp: oneDNN's packed GEMM) over its
+// own copy of a weight: out [rows, N] = x [rows, K] @ weight.T + bias in the model dtype.
+// Status: 0 ok.
+typedef int (*TesseraGemm)(void* context, const void* x, void* out, int64_t rows);
+
 // One GEMM's weight: dense [N, K] in the model dtype (type -1) or GGUF blocks of ggml `type`
 // ([N, K / block values * block bytes]); bias [N] in the model dtype or null; amx: the dense
-// bf16 weight in amx_gemm.h's tile layout, taken instead of `weight` (or null).
+// bf16 weight in amx_gemm.h's tile layout, taken instead of `weight` (or null); gemm (or
+// null) with its context: a dense weight's GEMM from gemm_rows rows on.
 struct TesseraLinear {
   int64_t type;
   const void* weight;
   const void* bias;
   int64_t K, N;
   const void* amx;
+  TesseraGemm gemm;
+  void* context;
+  int64_t gemm_rows;
 };
 
 struct TesseraLayer {
@@ -85,9 +94,9 @@ struct Step {
 template <typename T>
 constexpr int kDtype = std::is_same_v<T, float> ? 0 : 1;
 
-// out [rows, N] = x [rows, K] @ weight.T + bias. Status: 0 ok, else the GEMM's.
-// A step's dense bf16 GEMMs take AMX tiles where the layer has them (at every row count:
-// cpu_ops.AMX_ROWS).
+// out [rows, N] = x [rows, K] @ weight.T + bias. Status: 0 ok, 3 the callback failed, else
+// the GEMM's. A step's dense bf16 GEMMs take AMX tiles where the layer has them (at every row
+// count: cpu_ops.AMX_ROWS), else the callback from its rows on, else the few-row GEMM.
 
 template <typename T>
 int linear(const TesseraLinear& l, const T* x, T* out, const Step& s) {
@@ -101,6 +110,7 @@ int linear(const TesseraLinear& l, const T* x, T* out, const Step& s) {
                  : 2;
   }
 #endif
+  if (l.gemm && s.rows >= l.gemm_rows) return l.gemm(l.context, x, out, s.rows) ? 3 : 0;
   if (l.type < 0) {
     const T* w = static_cast<const T*>(l.weight);
     return small_gemm::gemm(x, w, bias, out, s.rows, l.K, l.N, s.num_threads) ? 0 : 2;

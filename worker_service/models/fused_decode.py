@@ -26,6 +26,7 @@ import torch
 from worker_service.attention import cpu_kernel, kv_quant, kv_rotation
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.cpu import CpuAttentionBackend
+from worker_service.models import onednn_bridge
 from worker_service.models.context import get_attention_metadata
 from worker_service.models.cpu_ops import DTYPES, SMALL_GEMM_ROWS, CpuOps
 from worker_service.models.layers import GatedMLP, Linear, RMSNorm, RowParallelLinear
@@ -35,6 +36,7 @@ from worker_service.models.llama import (
     PagedAttention,
     Qwen2ForCausalLM,
 )
+from worker_service.models.onednn_bridge import OnednnGemm
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 # with benchmarks.decode_bench: the dense few-row GEMM loses to oneDNN's beyond a few rows;
 # AMX tiles and GGUF blocks take the same GEMM on both paths, so only dispatch differs).
 DENSE_ROWS = SMALL_GEMM_ROWS
+ONEDNN_ROWS = 256  # dense weights with oneDNN's GEMM past SMALL_GEMM_ROWS (onednn_bridge)
 AMX_ROWS = 64
 BLOCK_ROWS = 64
 MODELS = (LlamaForCausalLM, Qwen2ForCausalLM)  # exactly these: subclasses change the layers
@@ -56,6 +59,9 @@ class _Linear(ctypes.Structure):
         ("K", ctypes.c_int64),
         ("N", ctypes.c_int64),
         ("amx", ctypes.c_void_p),
+        ("gemm", ctypes.c_void_p),
+        ("context", ctypes.c_void_p),
+        ("gemm_rows", ctypes.c_int64),
     ]
 
 
@@ -109,6 +115,8 @@ class FusedDecode:
             raise Unfusable(f"dtype {self.dtype}")
         layers = list(model.layers)
         self._keep: list[torch.Tensor] = []  # every tensor the layer table points into
+        self._gemms: list[OnednnGemm] = []  # every callback context it points to
+        self.bridge = onednn_bridge.load()
         self.layers = (_Layer * len(layers))(*(self._layer(layer) for layer in layers))
         self.shape = _shape(model, layers)
         self.max_rows = max_rows
@@ -201,8 +209,16 @@ class FusedDecode:
                 raise Unfusable(f"GGUF type {q.ggml_type} without the CPU GEMM")
             return _Linear(q.ggml_type, self._ptr(q.blocks), bias, q.in_features, q.blocks.shape[0])
         weight = _in(linear.weight.data, self.dtype)
-        amx = self._ptr(linear.amx) if linear.amx is not None else None
-        return _Linear(DENSE, self._ptr(weight), bias, weight.shape[1], weight.shape[0], amx)
+        if linear.amx is not None:
+            return _Linear(
+                DENSE, self._ptr(weight), bias, *weight.shape[::-1], self._ptr(linear.amx)
+            )
+        dense = _Linear(DENSE, self._ptr(weight), bias, weight.shape[1], weight.shape[0])
+        if linear.packed is not None and self.bridge is not None:  # as Linear._gemm
+            self._gemms.append(self.bridge.context(linear, self.dtype))
+            dense.gemm, dense.context = self.bridge.gemm, self._gemms[-1].handle
+            dense.gemm_rows = SMALL_GEMM_ROWS + 1 if linear.small_gemm is not None else 1
+        return dense
 
     def _ptr(self, t: torch.Tensor) -> int:
         if not t.is_contiguous() or t.device.type != "cpu":
@@ -238,7 +254,9 @@ def default_rows(linear: Linear) -> int:
     """--fused-decode-rows -1 for a model whose GEMMs are like `linear`'s."""
     if linear.quant is not None:
         return BLOCK_ROWS
-    return AMX_ROWS if linear.amx is not None else DENSE_ROWS
+    if linear.amx is not None:
+        return AMX_ROWS
+    return ONEDNN_ROWS if linear.packed is not None and onednn_bridge.load() else DENSE_ROWS
 
 
 def _check_attention(attn: PagedAttention, dtype: torch.dtype) -> None:
