@@ -1,14 +1,16 @@
-"""The AMX prefill attention kernel (amx_prefill.h) against dense causal attention in float32:
-through the CPU backend (prompts, chunks after a cached prefix, several per step), over
-bf16 and quantized pools (int8, fp8), and called alone at long contexts; GQA groups 1-8,
-head sizes 32-256, block sizes 8-32, query tiles and key steps cut at every boundary. Unused
-pool slots hold NaN, so a read outside a request's K/V shows. Skipped, and says so, where
-the CPU has no AMX tiles."""
+"""The prefill attention kernel (amx_prefill.h) against dense causal attention in float32, on
+each engine this CPU runs (AMX tiles; AVX512-BF16 dot products, prefill_dots.h): through the
+CPU backend (prompts, chunks after a cached prefix, several per step), over bf16 and
+quantized pools (int8, fp8), and called alone at long contexts; GQA groups 1-8, head sizes
+32-256, block sizes 8-32, query tiles and key steps cut at every boundary. Unused pool slots
+hold NaN, so a read outside a request's K/V shows. An engine skips, and says so, where the
+CPU lacks it (tiles: AMX; dots: AVX512-BF16)."""
 
 from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,12 +26,17 @@ from worker_service.attention.cpu import CpuAttentionBackend
 PREFILLS = [(0, 2), (0, 15), (0, 16), (0, 17), (0, 33), (31, 2), (32, 16), (45, 70), (3, 1)]
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
+NEEDS = {"tiles": "a CPU with AMX tiles for bf16 (amx_tile, amx_bf16)", "dots": "AVX512-BF16"}
+
+
+@pytest.fixture(scope="module", params=["tiles", "dots"])
+def lib(request: pytest.FixtureRequest) -> Iterator[ctypes.CDLL]:
+    """The library with request.param's engine chosen (the backends built meanwhile take it)."""
     lib = cpu_kernel.load()
-    if lib is None or not cpu_kernel.prefill_tiles(lib):
-        pytest.skip("needs a CPU with AMX tiles for bf16 (amx_tile, amx_bf16)")
-    return lib
+    if lib is None or cpu_kernel.choose_prefill_engine(lib, request.param) != request.param:
+        pytest.skip(f"the {request.param} engine needs {NEEDS[request.param]}")
+    yield lib
+    cpu_kernel.choose_prefill_engine(lib, "tiles")  # back to this CPU's best
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])

@@ -20,6 +20,11 @@
 // int32. Query row j sits at position seq_len - query_len + j and sees keys 0 ..= it.
 // dim must be a multiple of 32. Compiled in the AVX512_BF16 build with the AMX target
 // enabled for these functions only; the caller checks for tiles (amx_gemm::enable()).
+//
+// CPUs with AVX512-BF16 but no tiles (Zen 4, Cooper Lake) run the same passes through the
+// Dots engine (prefill_dots.h): each tile product done by vdpbf16ps over the same packed
+// tiles, 16 float32 sums per row, the sums O kept in memory. The engines differ only there;
+// the packing, the softmax and the loop are this file's, shared.
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -29,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "../models/amx_gemm.h"
@@ -121,13 +127,19 @@ struct Rows {
   alignas(64) uint16_t q[kRows * 256];  // the rows' queries, zero-padded, [16, dim]
   alignas(64) float scores[kRows * kKeys];
   alignas(64) uint16_t p[kRows * kKeys];
-  alignas(64) float o[kRows * kChunk];  // the sums' tiles when they are rescaled or read
+  alignas(64) float o[kRows * kChunk];  // the sums' tiles when rescaled or read (Dots: the sums)
   alignas(64) float l[kRows * 16];      // each row's sum of weights, in 16 lanes
   float m[kRows];                       // each row's running max
 };
 
-// The sums of n (2 or 4) column tiles live in tiles 2.. across steps (the intrinsics take
-// literal tile numbers).
+}  // namespace amx_prefill
+
+#include "prefill_dots.h"
+
+namespace amx_prefill {
+
+// The AMX engine: the scores in tiles 0-1, the sums of n (2 or 4) column tiles in tiles 2..
+// across steps (the intrinsics take literal tile numbers), P in tile 6, K or V in tile 7.
 inline void zero_sums(int n) {
   _tile_zero(2);
   _tile_zero(3);
@@ -165,9 +177,37 @@ inline void add_weighted(int n, const uint16_t* v) {  // sums += P (tile 6) x v'
   }
 }
 
+struct Amx {
+  static void begin() { amx_gemm::configure_full(); }
+  static void end() { _tile_release(); }
+  static void zero(int n, Rows&) { zero_sums(n); }
+  static void to_memory(int n, Rows& w) { store_sums(n, w.o); }
+  static void from_memory(int n, const Rows& w) { load_sums(n, w.o); }
+  // w.scores [16, 32] = w.q [16, dim] K^T over the step's two key tiles k0 [halves] each
+  static void scores(Rows& w, const uint16_t* k0, int64_t dim) {
+    const int64_t halves = dim / 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t half = 0; half < halves; ++half) {
+      _tile_loadd(6, w.q + 32 * half, dim * 2);
+      _tile_loadd(7, k0 + half * kTile, 64);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(7, k0 + (halves + half) * kTile, 64);
+      _tile_dpbf16ps(1, 6, 7);
+    }
+    _tile_stored(0, w.scores, kKeys * 4);
+    _tile_stored(1, w.scores + 16, kKeys * 4);
+  }
+  static void add_weighted(int n, const uint16_t* v, Rows& w) {
+    _tile_loadd(6, w.p, kKeys * 2);
+    amx_prefill::add_weighted(n, v);
+  }
+};
+
 // Rows' sums and weight totals times alpha (where the running max moved).
-inline void rescale(Rows& w, int n, const float* alpha) {
-  store_sums(n, w.o);
+template <class E>
+void rescale(Rows& w, int n, const float* alpha) {
+  E::to_memory(n, w);
   for (int64_t r = 0; r < kRows; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
     _mm512_store_ps(w.l + r * 16, _mm512_mul_ps(_mm512_load_ps(w.l + r * 16), a));
@@ -176,11 +216,12 @@ inline void rescale(Rows& w, int n, const float* alpha) {
       _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), a));
     }
   }
-  load_sums(n, w.o);
+  E::from_memory(n, w);
 }
 
 // Every row's running max brought up to this step's scores (log2 units); the sums rescaled.
-inline void move_max(Rows& w, int n, __m512 c, bool first) {
+template <class E>
+void move_max(Rows& w, int n, __m512 c, bool first) {
   float alpha[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
     const float* sr = w.scores + r * kKeys;
@@ -189,7 +230,7 @@ inline void move_max(Rows& w, int n, __m512 c, bool first) {
     alpha[r] = exp2f(w.m[r] - m);  // 0 from m = -inf
     w.m[r] = m;
   }
-  if (!first) rescale(w, n, alpha);
+  if (!first) rescale<E>(w, n, alpha);
 }
 
 // Scores of keys [32 st, 32 st + 32) (tiles 0, 1) -> bf16 weights in w.p, m and l updated.
@@ -197,9 +238,8 @@ inline void move_max(Rows& w, int n, __m512 c, bool first) {
 // row's max grows. The max is kept exact, not let lag by a slack: then a row's largest weight
 // is exactly 1 in bf16, and rounding touches only the smaller ones (a slack of 2^8 rounded the
 // dominant weights too: perplexity over an fp8 KV cache 1.012x -> 1.032x the bf16 cache's).
-inline void softmax_step(Rows& w, int64_t st, int64_t pos0, float scale, int n) {
-  _tile_stored(0, w.scores, kKeys * 4);
-  _tile_stored(1, w.scores + 16, kKeys * 4);
+template <class E>
+void softmax_step(Rows& w, int64_t st, int64_t pos0, float scale, int n) {
   const __m512 c = _mm512_set1_ps(scale * 1.44269504f), minus_inf = _mm512_set1_ps(-INFINITY);
   const bool diagonal = st * kKeys + kKeys - 1 > pos0;  // some row sees only some keys
   const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(int(st * kKeys)), _mm512_set_epi32(
@@ -223,7 +263,7 @@ inline void softmax_step(Rows& w, int64_t st, int64_t pos0, float scale, int n) 
     const __m512 limit = _mm512_set1_ps(w.m[r]);
     moved |= _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_max_ps(s0, s1), c), limit, _CMP_GT_OQ);
   }
-  if (moved) move_max(w, n, c, st == 0);
+  if (moved) move_max<E>(w, n, c, st == 0);
   for (int64_t r = 0; r < kRows; ++r) {
     const __m512 m = _mm512_set1_ps(w.m[r]);
     const float* sr = w.scores + r * kKeys;
@@ -237,9 +277,10 @@ inline void softmax_step(Rows& w, int64_t st, int64_t pos0, float scale, int n) 
 
 // Query head hq's rows [16 t, 16 t + 16) of the request, output dims [c0, c0 + kChunk) -> out.
 // The scores are computed again for each chunk of dims (heads of 128: twice).
-inline void attend(const uint16_t* query, const uint16_t* kp, const uint16_t* vp, uint16_t* out,
-                   const Shape& s, int64_t hq, int64_t t, int64_t c0, Rows& w) {
-  const int64_t dim = s.dim, row_stride = s.heads * dim, j0 = t * kRows, halves = dim / 32;
+template <class E>
+void attend(const uint16_t* query, const uint16_t* kp, const uint16_t* vp, uint16_t* out,
+            const Shape& s, int64_t hq, int64_t t, int64_t c0, Rows& w) {
+  const int64_t dim = s.dim, row_stride = s.heads * dim, j0 = t * kRows;
   const int64_t rows = std::min(kRows, s.query_len - j0), pos0 = s.seq_len - s.query_len + j0;
   const int n = int(std::min(kChunk, dim - c0) / 16);  // column tiles of sums: 2 or 4
   std::fill(w.q, w.q + kRows * dim, uint16_t(0));
@@ -247,24 +288,14 @@ inline void attend(const uint16_t* query, const uint16_t* kp, const uint16_t* vp
     std::copy_n(query + (j0 + r) * row_stride + hq * dim, dim, w.q + r * dim);
   std::fill(w.m, w.m + kRows, -INFINITY);
   std::fill(w.l, w.l + kRows * 16, 0.f);
-  zero_sums(n);
+  E::zero(n, w);
   const int64_t steps = (pos0 + rows - 1) / kKeys + 1;
   for (int64_t st = 0; st < steps; ++st) {
-    _tile_zero(0);
-    _tile_zero(1);
-    const uint16_t* k0 = kp + st * kKeys * dim;  // the step's two key tiles, [halves] each
-    for (int64_t half = 0; half < halves; ++half) {
-      _tile_loadd(6, w.q + 32 * half, dim * 2);
-      _tile_loadd(7, k0 + half * kTile, 64);
-      _tile_dpbf16ps(0, 6, 7);
-      _tile_loadd(7, k0 + (halves + half) * kTile, 64);
-      _tile_dpbf16ps(1, 6, 7);
-    }
-    softmax_step(w, st, pos0, s.scale, n);
-    _tile_loadd(6, w.p, kKeys * 2);
-    add_weighted(n, vp + st * kKeys * dim + (c0 / 16) * kTile);
+    E::scores(w, kp + st * kKeys * dim, dim);  // the step's two key tiles, [halves] each
+    softmax_step<E>(w, st, pos0, s.scale, n);
+    E::add_weighted(n, vp + st * kKeys * dim + (c0 / 16) * kTile, w);
   }
-  store_sums(n, w.o);
+  E::to_memory(n, w);
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* dst = out + (j0 + r) * row_stride + hq * dim + c0;
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(w.l + r * 16)));
@@ -274,9 +305,9 @@ inline void attend(const uint16_t* query, const uint16_t* kp, const uint16_t* vp
   }
 }
 
-// The whole call over a pool of C (bf16, or quantized: kv_quant.h); false where the shape is
-// not one it takes.
-template <typename C>
+// The whole call over a pool of C (bf16, or quantized: kv_quant.h) on engine E (Amx, Dots);
+// false where the shape is not one it takes.
+template <class E, typename C>
 bool prefill(const uint16_t* query, const C* k_cache, const C* v_cache, uint16_t* out,
              const int32_t* blocks, const Shape& s, int num_threads) {
   if (s.dim % 32 != 0 || s.dim > 256 || s.heads % s.kv_heads != 0 || s.query_len < 1 ||
@@ -295,15 +326,15 @@ bool prefill(const uint16_t* query, const C* k_cache, const C* v_cache, uint16_t
       for (int64_t st = 0; st < steps; ++st)
         pack_step(k_cache, v_cache, blocks, s, h, st, base + 2 * h * per_head,
                   base + (2 * h + 1) * per_head);
-    amx_gemm::configure_full();
+    E::begin();
     Rows w;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {  // the longest (last) query tiles first
       const int64_t t = tiles - 1 - i / (s.heads * chunks), hq = i / chunks % s.heads;
       const int64_t h = hq / group, c0 = i % chunks * kChunk;
-      attend(query, base + 2 * h * per_head, base + (2 * h + 1) * per_head, out, s, hq, t, c0, w);
+      attend<E>(query, base + 2 * h * per_head, base + (2 * h + 1) * per_head, out, s, hq, t, c0, w);
     }
-    _tile_release();
+    E::end();
   }
   return true;
 }

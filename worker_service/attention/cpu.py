@@ -9,10 +9,11 @@ Plan per step (built once, shared by all layers):
   [group, kv_heads, max_seq, head_dim] batch with a key-padding mask (no mask
   when the lengths are equal). Grouping by length keeps the padding small;
 - every other request (a prefill chunk, possibly after a cached prefix) is one
-  call of the AMX prefill kernel (`cpu_kernel.paged_prefill`: bf16 queries over a bf16
-  or quantized pool, no sliding window, CPUs with AMX tiles), which reads K/V in place
-  from the pool; or else one SDPA call over its gathered K/V with a causal mask offset
-  by its cached length (`is_causal` when there is no prefix).
+  call of the prefill kernel (`cpu_kernel.paged_prefill`: bf16 queries over a bf16
+  or quantized pool, no sliding window; AMX tiles, or AVX512-BF16 dot products on CPUs
+  without them), which reads K/V in place from the pool; or else (AVX2 and AVX-512 builds
+  without bf16) one SDPA call over its gathered K/V with a causal mask offset by its cached
+  length (`is_causal` when there is no prefix).
 There is no per-token Python loop; the loop is per prefill request.
 
 Batch-invariant mode (--deterministic, `make_batch_invariant`): every new token, prefill or
@@ -76,9 +77,9 @@ class CpuAttentionBackend(AttentionBackend):
         self._plans: dict[int, _Plan] = {}  # by sliding window (0: none), for _plan_for
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
         self._kernel = cpu_kernel.load() if decode_kernel else None
-        # The AMX prefill kernel (bf16 prompts), in the same library.
-        tiles = self._kernel is not None and cpu_kernel.prefill_tiles(self._kernel)
-        self._prefill_kernel = self._kernel if tiles else None
+        # The prefill kernel (bf16 prompts; AMX tiles or AVX512-BF16 dots), in the same library.
+        engine = self._kernel is not None and cpu_kernel.prefill_engine(self._kernel) is not None
+        self._prefill_kernel = self._kernel if engine else None
         self._reference = ReferenceAttentionBackend()
         self.split_tokens = 0  # > 0: batch-invariant mode (make_batch_invariant)
 
@@ -89,7 +90,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def match_hf_kernels(self) -> None:
         """HF's decode call (enable_gqa, one query row): folding rounds bf16 differently; and
-        its prefill call (SDPA), which sums in another order than the AMX prefill kernel."""
+        its prefill call (SDPA), which sums in another order than the prefill kernel."""
         self.fold_gqa = False
         self._prefill_kernel = None
 
@@ -335,7 +336,7 @@ def _decode_group(
 
 
 def _kernel_prefills(query: torch.Tensor, k_cache: torch.Tensor, p: _Prefill) -> bool:
-    """Whether the AMX prefill kernel takes this prefill: bf16 query over a bf16 or quantized
+    """Whether the prefill kernel takes this prefill: bf16 query over a bf16 or quantized
     pool, no sliding window, heads of 32..256 in steps of 32."""
     pool = k_cache.dtype == torch.bfloat16 or k_cache.dtype in cpu_kernel.CACHE_DTYPES
     bf16 = query.dtype == torch.bfloat16 and pool

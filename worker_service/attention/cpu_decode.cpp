@@ -308,19 +308,26 @@ extern "C" int tessera_scatter_rows(const void* src, int64_t src_stride, void* d
   return 0;
 }
 
-// Whether tessera_paged_prefill runs here: this build has it (AVX512_BF16) and the process
-// has AMX tiles (the caller checks the CPU's flags first: asking for tiles needs them).
-extern "C" int tessera_prefill_tiles() {
+// The engine tessera_paged_prefill runs (amx_prefill.h): 0 none (not in this build), 1 AMX
+// tiles, 2 AVX512-BF16 dot products.
+static int prefill_engine = 0;
+
+// want 1: the AMX tiles where Linux lends them (the caller checks the CPU's flags first:
+// asking for tiles needs them), else the dot products; 2: the dot products; -1: no change.
+// Returns the engine then chosen (always 0 outside the AVX512_BF16 build).
+extern "C" int tessera_prefill_engine(int want) {
 #if defined(__AVX512BF16__)
-  return amx_gemm::enable() ? 1 : 0;
+  if (want == 1) prefill_engine = amx_gemm::lent() || amx_gemm::enable() ? 1 : 2;
+  if (want == 2) prefill_engine = 2;
 #else
-  return 0;
+  (void)want;
 #endif
+  return prefill_engine;
 }
 
 // Causal prefill attention of one request's new rows (amx_prefill.h for layouts), bf16 queries
 // over a pool of cache_dtype (as tessera_paged_decode's: 0 bf16, 2 int8, 3 float8 e4m3fn):
-// 0 done, 1 not in this build, 2 a shape it does not take, 3 no AMX tiles lent, 4 a cache
+// 0 done, 1 not in this build, 2 a shape it does not take, 3 no engine chosen yet, 4 a cache
 // dtype it does not know.
 extern "C" int tessera_paged_prefill(int cache_dtype, const void* query, const void* k_cache,
                                      const void* v_cache, void* out, const int32_t* blocks,
@@ -328,15 +335,18 @@ extern "C" int tessera_paged_prefill(int cache_dtype, const void* query, const v
                                      int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                      float scale, int num_threads) {
 #if defined(__AVX512BF16__)
-  if (!amx_gemm::lent() && !amx_gemm::enable()) return 3;
+  if (!prefill_engine) return 3;
   const amx_prefill::Shape s{heads, kv_heads, head_dim, block_size, query_len, seq_len, scale};
   auto run = [&](auto* cache) {
     using C = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
-    return amx_prefill::prefill(static_cast<const uint16_t*>(query),
-                                static_cast<const C*>(k_cache), static_cast<const C*>(v_cache),
-                                static_cast<uint16_t*>(out), blocks, s, num_threads)
-               ? 0
-               : 2;
+    const auto* q = static_cast<const uint16_t*>(query);
+    const auto *k = static_cast<const C*>(k_cache), *v = static_cast<const C*>(v_cache);
+    auto* o = static_cast<uint16_t*>(out);
+    const bool done =
+        prefill_engine == 1
+            ? amx_prefill::prefill<amx_prefill::Amx>(q, k, v, o, blocks, s, num_threads)
+            : amx_prefill::prefill<amx_prefill::Dots>(q, k, v, o, blocks, s, num_threads);
+    return done ? 0 : 2;
   };
   if (cache_dtype == 0) return run(static_cast<const uint16_t*>(nullptr));
   if (cache_dtype == 2) return run(static_cast<const int8_t*>(nullptr));

@@ -68,6 +68,9 @@ def build(level: str | None = None) -> ctypes.CDLL:
     lib.tessera_paged_decode.restype = ctypes.c_int
     lib.tessera_paged_prefill.argtypes = _PREFILL_ARGTYPES
     lib.tessera_paged_prefill.restype = ctypes.c_int
+    lib.tessera_prefill_engine.argtypes = [ctypes.c_int]
+    lib.tessera_prefill_engine.restype = ctypes.c_int
+    choose_prefill_engine(lib, "tiles")  # this CPU's best
     lib.tessera_scatter_rows.argtypes = _SCATTER_ARGTYPES
     lib.tessera_scatter_rows.restype = ctypes.c_int
     return lib
@@ -97,9 +100,23 @@ def scatter_rows(
         raise IndexError(f"a KV slot outside the pool of {pool.shape[0]} slots")
 
 
-def prefill_tiles(lib: ctypes.CDLL) -> bool:
-    """Whether `paged_prefill` runs here: the AVX512_BF16 build on a CPU with AMX tiles."""
-    return native.amx_bf16_cpu() and lib.tessera_prefill_tiles() == 1
+PREFILL_ENGINES = {"tiles": 1, "dots": 2}  # cpu_decode.cpp: tessera_prefill_engine
+
+
+def prefill_engine(lib: ctypes.CDLL) -> str | None:
+    """The engine `paged_prefill` runs on: "tiles" (AMX), "dots" (AVX512-BF16 dot products) or
+    None (not in this build: the prefill stays on SDPA). The library starts on this CPU's best."""
+    names = {code: name for name, code in PREFILL_ENGINES.items()}
+    return names.get(lib.tessera_prefill_engine(-1))
+
+
+def choose_prefill_engine(lib: ctypes.CDLL, name: str) -> str | None:
+    """Runs `paged_prefill` on engine `name` from now on, where this CPU has it ("tiles" on a
+    CPU without AMX tiles takes "dots"); returns the engine then running (tests use it)."""
+    if name == "tiles" and not native.amx_bf16_cpu():
+        name = "dots"
+    lib.tessera_prefill_engine(PREFILL_ENGINES[name])
+    return prefill_engine(lib)
 
 
 @dataclass(frozen=True)
@@ -164,7 +181,7 @@ def paged_prefill(
     scale: float,
 ) -> torch.Tensor:
     """[query_len, heads, head_dim]: causal attention of the request's last query_len tokens
-    over its seq_len cached ones, on AMX tiles (amx_prefill.h; needs prefill_tiles). The pools
+    over its seq_len cached ones (amx_prefill.h; on the engine prefill_engine chose). The pools
     are bf16 or quantized (CACHE_DTYPES), widened to bf16 as they are read."""
     for t in (query, k_cache, v_cache, blocks):
         assert t.is_contiguous() and t.device.type == "cpu"
