@@ -148,7 +148,9 @@ class ModelRunner:
                 self.model.use_cpu_ops(ops)
         kernel = getattr(self.backend, "decode_kernel", False)
         attention = "C++ paged decode kernel" if kernel else "SDPA decode"
-        log.info("kernels: %s; decode attention: %s", choice.describe(read_cpu_info()), attention)
+        engine = getattr(self.backend, "prefill_kernel", None)  # "tiles" / "dots" / None
+        prefill = f"C++ prefill kernel ({engine})" if engine else "SDPA prefill"
+        log.info("kernels: %s; %s; %s", choice.describe(read_cpu_info()), attention, prefill)
 
     # ----------------------------------------------------------------- cache
     def initialize_cache(self, num_blocks: int) -> int:

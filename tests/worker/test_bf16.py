@@ -20,7 +20,7 @@ from services.config import ModelConfig, WorkerConfig
 from services.types import SamplingParams
 from tests.hf_reference import hf_greedy
 from tests.worker.driver import DriverRequest, MiniScheduler
-from worker_service.attention import cpu_kernel
+from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,8 @@ def _knife_edge_on_dots(worker: Worker) -> None:
     float64 reference: max 0.0077 both, mean 0.00053 both) and its agreement with HF bf16 is
     unchanged (test_bf16_default_agreement_with_hf_is_near_hf_eagers). Marked, not hidden:
     an expected failure there, a pass everywhere else."""
-    lib = worker.runner.backend._kernel
-    if lib is not None and cpu_kernel.prefill_engine(lib) == "dots":
+    backend = worker.runner.backend
+    if isinstance(backend, CpuAttentionBackend) and backend.prefill_kernel == "dots":
         pytest.xfail("a 0.08-logit knife edge flips under the dot-product prefill engine")
 
 

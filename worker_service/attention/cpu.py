@@ -84,6 +84,15 @@ class CpuAttentionBackend(AttentionBackend):
         self.split_tokens = 0  # > 0: batch-invariant mode (make_batch_invariant)
 
     @property
+    def prefill_kernel(self) -> str | None:
+        """The prefill kernel's engine ("tiles", "dots"), or None where prefills run SDPA."""
+        return (
+            None
+            if self._prefill_kernel is None
+            else cpu_kernel.prefill_engine(self._prefill_kernel)
+        )
+
+    @property
     def decode_kernel(self) -> bool:
         """Whether decode requests run the C++ paged kernel (float32 / bf16 inputs)."""
         return self._kernel is not None and self.fold_gqa
