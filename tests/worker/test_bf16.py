@@ -20,7 +20,6 @@ from services.config import ModelConfig, WorkerConfig
 from services.types import SamplingParams
 from tests.hf_reference import hf_greedy
 from tests.worker.driver import DriverRequest, MiniScheduler
-from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -49,23 +48,8 @@ def _greedy(worker: Worker, prompts: list[list[int]], n: int, tag: str) -> list[
     return [out[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
-def _knife_edge_on_dots(worker: Worker) -> None:
-    """The chat question's first answer token is a knife edge: HF float32 ranks "The" over "L"
-    by 0.08 logits (25.33 vs 25.24), under the bf16 path's rounding noise. Where the prefill
-    attention runs the AVX512-BF16 dot-product engine (prefill_dots.h) the default path falls
-    on "L'Étoile, ..." on that edge, though its attention is as accurate as SDPA's (error to a
-    float64 reference: max 0.0077 both, mean 0.00053 both) and its agreement with HF bf16 is
-    unchanged (test_bf16_default_agreement_with_hf_is_near_hf_eagers). Marked, not hidden:
-    an expected failure there, a pass everywhere else."""
-    backend = worker.runner.backend
-    if isinstance(backend, CpuAttentionBackend) and backend.prefill_kernel == "dots":
-        pytest.xfail("a 0.08-logit knife edge flips under the dot-product prefill engine")
-
-
 def test_bf16_answers_paris(bf16_worker: Worker, tokenizer, eight_prompts: list[list[int]]) -> None:
     answer = _greedy(bf16_worker, [eight_prompts[1]], 12, "paris")[0]  # the chat question
-    if "Paris" not in tokenizer.decode(answer):
-        _knife_edge_on_dots(bf16_worker)
     assert "Paris" in tokenizer.decode(answer)
 
 

@@ -1,5 +1,6 @@
 """The prefill attention kernel (amx_prefill.h) against dense causal attention in float32, on
-each engine this CPU runs (AMX tiles; AVX512-BF16 dot products, prefill_dots.h): through the
+each engine this CPU runs (AMX tiles; AVX512-BF16 dot products, prefill_dots.h, which tests
+choose: cpu_kernel.choose_prefill_engine says why it is not the default): through the
 CPU backend (prompts, chunks after a cached prefix, several per step), over bf16 and
 quantized pools (int8, fp8), and called alone at long contexts; GQA groups 1-8, head sizes
 32-256, block sizes 8-32, query tiles and key steps cut at every boundary. Unused pool slots
@@ -36,7 +37,7 @@ def lib(request: pytest.FixtureRequest) -> Iterator[ctypes.CDLL]:
     if lib is None or cpu_kernel.choose_prefill_engine(lib, request.param) != request.param:
         pytest.skip(f"the {request.param} engine needs {NEEDS[request.param]}")
     yield lib
-    cpu_kernel.choose_prefill_engine(lib, "tiles")  # back to this CPU's best
+    cpu_kernel.choose_prefill_engine(lib, "tiles")  # back to the default
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])

@@ -10,10 +10,10 @@ Plan per step (built once, shared by all layers):
   when the lengths are equal). Grouping by length keeps the padding small;
 - every other request (a prefill chunk, possibly after a cached prefix) is one
   call of the prefill kernel (`cpu_kernel.paged_prefill`: bf16 queries over a bf16
-  or quantized pool, no sliding window; AMX tiles, or AVX512-BF16 dot products on CPUs
-  without them), which reads K/V in place from the pool; or else (AVX2 and AVX-512 builds
-  without bf16) one SDPA call over its gathered K/V with a causal mask offset by its cached
-  length (`is_causal` when there is no prefix).
+  or quantized pool, no sliding window; on the engine the library runs: AMX tiles by
+  default where the CPU has them), which reads K/V in place from the pool; or else one SDPA
+  call over its gathered K/V with a causal mask offset by its cached length (`is_causal`
+  when there is no prefix).
 There is no per-token Python loop; the loop is per prefill request.
 
 Batch-invariant mode (--deterministic, `make_batch_invariant`): every new token, prefill or
@@ -77,7 +77,7 @@ class CpuAttentionBackend(AttentionBackend):
         self._plans: dict[int, _Plan] = {}  # by sliding window (0: none), for _plan_for
         self.fold_gqa = True  # decode: query heads of one KV head as its query rows
         self._kernel = cpu_kernel.load() if decode_kernel else None
-        # The prefill kernel (bf16 prompts; AMX tiles or AVX512-BF16 dots), in the same library.
+        # The prefill kernel (bf16 prompts; the engine the library runs), in the same library.
         engine = self._kernel is not None and cpu_kernel.prefill_engine(self._kernel) is not None
         self._prefill_kernel = self._kernel if engine else None
         self._reference = ReferenceAttentionBackend()

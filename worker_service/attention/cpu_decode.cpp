@@ -313,12 +313,12 @@ extern "C" int tessera_scatter_rows(const void* src, int64_t src_stride, void* d
 static int prefill_engine = 0;
 
 // want 1: the AMX tiles where Linux lends them (the caller checks the CPU's flags first:
-// asking for tiles needs them), else the dot products; 2: the dot products; -1: no change.
+// asking for tiles needs them), else none; 2: the dot products; 0: none; -1: no change.
 // Returns the engine then chosen (always 0 outside the AVX512_BF16 build).
 extern "C" int tessera_prefill_engine(int want) {
 #if defined(__AVX512BF16__)
-  if (want == 1) prefill_engine = amx_gemm::lent() || amx_gemm::enable() ? 1 : 2;
-  if (want == 2) prefill_engine = 2;
+  if (want == 1) prefill_engine = amx_gemm::lent() || amx_gemm::enable() ? 1 : 0;
+  if (want == 2 || want == 0) prefill_engine = want;
 #else
   (void)want;
 #endif
