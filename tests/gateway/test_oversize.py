@@ -194,8 +194,10 @@ def test_8_plus_8_prompts_of_50mb_are_refused_fast_within_budget(
         else:  # the client itself serializes and sends 50 MB 8 times at once on 2 shared cores
             assert status == grpc.StatusCode.RESOURCE_EXHAUSTED and seconds < 3.0, (status, seconds)
     assert peak - base < BUDGET, (peak - base) / MB
+    # alone, the client still serializes and sends the 50 MB itself (1.02 s once in CI on 2
+    # shared cores); tokenizing it instead of refusing it would take far longer
     alone = _grpc_complete(gateway.grpc_address, pb.CompletionRequest(prompt="y" * 50 * MB))
-    assert alone[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and alone[1] < 1.0, alone
+    assert alone[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and alone[1] < 3.0, alone
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
