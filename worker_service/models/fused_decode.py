@@ -209,12 +209,9 @@ class FusedDecode:
                 raise Unfusable(f"GGUF type {q.ggml_type} without the CPU GEMM")
             return _Linear(q.ggml_type, self._ptr(q.blocks), bias, q.in_features, q.blocks.shape[0])
         weight = _in(linear.weight.data, self.dtype)
-        if linear.amx is not None:
-            return _Linear(
-                DENSE, self._ptr(weight), bias, *weight.shape[::-1], self._ptr(linear.amx)
-            )
-        dense = _Linear(DENSE, self._ptr(weight), bias, weight.shape[1], weight.shape[0])
-        if linear.packed is not None and self.bridge is not None:  # as Linear._gemm
+        amx = self._ptr(linear.amx) if linear.amx is not None else None
+        dense = _Linear(DENSE, self._ptr(weight), bias, weight.shape[1], weight.shape[0], amx)
+        if amx is None and linear.packed is not None and self.bridge is not None:  # as _gemm
             self._gemms.append(self.bridge.context(linear, self.dtype))
             dense.gemm, dense.context = self.bridge.gemm, self._gemms[-1].handle
             dense.gemm_rows = SMALL_GEMM_ROWS + 1 if linear.small_gemm is not None else 1
