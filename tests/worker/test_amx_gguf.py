@@ -1,8 +1,9 @@
 """The GGUF GEMM over bf16 panels (amx_gguf.h, the bf16 fast path from 6 rows on AMX CPUs,
-from 8 with AVX512-BF16 dot products on those without tiles): every block format, dequantized
-to bf16 a panel of 32 weight rows at a time, against a float64 matmul of x with the same
-weights rounded to bf16. Row counts across the 16-row tiles and their pairs and the 8-row
-blocks of the dots, column tails of the 32-row panels, bias. Runs only where the build has
+from 8 with AVX512-BF16 dot products on those without tiles, gguf_dots.h): every block format,
+dequantized to bf16 a panel of 32 weight rows at a time, against a float64 matmul of x with the
+same weights rounded to bf16. Row counts across the 16-row tiles and their pairs, the 8-row
+blocks of the dots' row pairs and the switch to their Quads layout, column tails of the 32-row
+panels, bias. Runs only where the build has
 AVX512-BF16 (the tile tests: where the CPU has AMX tiles); elsewhere each test skips and says
 so."""
 
@@ -21,7 +22,8 @@ ROWS = [
     15,
     16,
     17,
-    32,
+    cpu_ops.QUAD_GGUF_ROWS - 1,  # the dots' last by row pairs
+    cpu_ops.QUAD_GGUF_ROWS,  # and first in the Quads layout
     33,
     70,
 ]  # the fast path's smallest, x tiles of 16 and pairs of them
@@ -65,14 +67,23 @@ def test_panels_multiply_the_weights_rounded_to_bf16(
     assert ((ours.double() - exact).abs() <= bound).all()
 
 
-def test_a_rows_result_does_not_depend_on_the_others(panel_ops: cpu_ops.CpuOps) -> None:
-    """Over the panels each row's sums run over K in one order whatever the batch."""
+@pytest.mark.parametrize(
+    ("many", "few"),
+    [
+        (cpu_ops.QUAD_GGUF_ROWS - 1, cpu_ops.BF16_GGUF_ROWS),  # tiles; dots by row pairs
+        (70, cpu_ops.QUAD_GGUF_ROWS),  # tiles; dots in the Quads layout
+    ],
+)
+def test_a_rows_result_does_not_depend_on_the_others(
+    panel_ops: cpu_ops.CpuOps, many: int, few: int
+) -> None:
+    """Over the panels each row's sums run over K in one order whatever the batch, within
+    each layout's row counts (the dots' two layouts sum in different orders)."""
     torch.manual_seed(0)
     blocks = random_blocks(quant.Q4_1, 960, 576)
-    x = torch.randn(70, 576).bfloat16()
+    x = torch.randn(many, 576).bfloat16()
     batch = panel_ops.gemm_gguf(x, blocks, quant.Q4_1, None, path=cpu_ops.FAST)
-    few = cpu_ops.BF16_GGUF_ROWS
-    for i in (0, 17, 70 - few):
+    for i in (0, (many - few) // 2, many - few):
         alone = panel_ops.gemm_gguf(x[i : i + few], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
         assert torch.equal(alone, batch[i : i + few])
 

@@ -1,5 +1,5 @@
 // GEMMs over GGUF's blocks on bf16 panels: out = x @ dequantize(w).T + bias, on AMX tiles, or
-// with AVX512-BF16 pair dot products where the process has no tiles (panel_dots).
+// with AVX512-BF16 pair dot products where the process has no tiles (gguf_dots.h).
 //
 // The int8 dot products of gguf_q8.h cost a few vector instructions per 32 weights *per row
 // of x*: at a decode batch of 32 they are ten times slower than the bf16 weights on AMX. Here
@@ -59,12 +59,18 @@ inline std::vector<uint16_t> pack_x(const uint16_t* x, int64_t rows, int64_t K) 
   return xp;
 }
 
-// 32 weights q * d + m (q: float32 lanes 0-15, 16-31) -> 32 bf16 at dst.
-inline void store_group(__m512 q0, __m512 q1, float d, float m, uint16_t* dst) {
+// 32 weights q * d + m (q: float32 lanes 0-15, 16-31) -> 32 bf16.
+inline __m512i group_bf16(__m512 q0, __m512 q1, float d, float m) {
   const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q1, dv, mv), _mm512_fmadd_ps(q0, dv, mv));
-  _mm512_storeu_si512(dst, (__m512i)v);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q1, dv, mv), _mm512_fmadd_ps(q0, dv, mv));
 }
+
+// Where a dequantized row's groups of 32 go: row-major at dst (the tiles' A side, the dots'
+// row pairs, oneDNN's weight); gguf_dots.h's Quads is the other layout.
+struct RowMajor {
+  uint16_t* dst;
+  void operator()(int64_t g, __m512i v) const { _mm512_storeu_si512(dst + g * kGroup, v); }
+};
 
 template <typename F>
 constexpr bool kSimple = F::kType == gguf_gemm::Q4_0::kType || F::kType == gguf_gemm::Q4_1::kType ||
@@ -106,10 +112,11 @@ void block_values(const uint8_t* block, __m512& q0, __m512& q1) {
   }
 }
 
-// One weight row of F blocks -> K bf16 at dst. Q4_0, Q4_1 and Q8_0 (what int4 and int8 at load
-// make) take their scales 16 blocks at a time; the other formats decode through their Block.
-template <typename F>
-void dequantize_row(const uint8_t* row, int64_t blocks, uint16_t* dst) {
+// One weight row of F blocks -> K bf16, put(g, v) each group g of 32. Q4_0, Q4_1 and Q8_0 (what
+// int4 and int8 at load make) take their scales 16 blocks at a time; the other formats decode
+// through their Block.
+template <typename F, typename Put>
+void dequantize_row(const uint8_t* row, int64_t blocks, Put put) {
   if constexpr (kSimple<F>) {
     alignas(64) float d[16], m[16];
     for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
@@ -120,7 +127,7 @@ void dequantize_row(const uint8_t* row, int64_t blocks, uint16_t* dst) {
         prefetch::ahead(block);
         __m512 q0, q1;
         block_values<F>(block, q0, q1);
-        store_group(q0, q1, d[i], m[i], dst + (b0 + i) * kGroup);
+        put(b0 + i, group_bf16(q0, q1, d[i], m[i]));
       }
     }
   } else {
@@ -131,18 +138,42 @@ void dequantize_row(const uint8_t* row, int64_t blocks, uint16_t* dst) {
         Values q;  // d q, float32
         float m;
         block.group(j, q, m);
-        store_group(q[0], q[1], 1.0f, m, dst + (b * F::kGroups + j) * kGroup);
+        put(b * F::kGroups + j, group_bf16(q[0], q[1], 1.0f, m));
       }
     }
   }
 }
 
-// Weight rows [n0, n0 + count) -> buf [kPanel, K] bf16 (rows past count zero).
+}  // namespace amx_gguf
+
+#include "gguf_dots.h"
+
+namespace amx_gguf {
+
+// Weight rows [n0, n0 + count) -> buf [kPanel, K] bf16, row-major or (quads) in gguf_dots.h's
+// Quads layout; rows past count zero. Into Quads 4 rows at a time, 512 K values each, so that
+// their cache lines are whole before the next rows'.
 template <typename F>
-void dequantize_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t count, uint16_t* buf) {
-  const int64_t blocks = K / (kGroup * F::kGroups), row_bytes = blocks * F::kBytes;
-  for (int64_t r = 0; r < count; ++r) dequantize_row<F>(w + (n0 + r) * row_bytes, blocks, buf + r * K);
-  std::fill(buf + count * K, buf + kPanel * K, uint16_t(0));
+void dequantize_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t count, bool quads,
+                      uint16_t* buf) {
+  const int64_t per_block = kGroup * F::kGroups, blocks = K / per_block;
+  const int64_t row_bytes = blocks * F::kBytes, chunk = std::max<int64_t>(1, 512 / per_block);
+  if (!quads) {
+    for (int64_t c = 0; c < count; ++c)
+      dequantize_row<F>(w + (n0 + c) * row_bytes, blocks, RowMajor{buf + c * K});
+    std::fill(buf + count * K, buf + kPanel * K, uint16_t(0));
+    return;
+  }
+  for (int64_t c0 = 0; c0 < kPanel; c0 += 4)
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk)
+      for (int64_t c = c0; c < c0 + 4; ++c) {
+        const gguf_dots::Quads put{buf, c, b0 * F::kGroups};
+        const int64_t n = std::min(chunk, blocks - b0);
+        if (c < count)
+          dequantize_row<F>(w + (n0 + c) * row_bytes + b0 * F::kBytes, n, put);
+        else
+          for (int64_t g = 0; g < n * F::kGroups; ++g) put(g, _mm512_setzero_si512());
+      }
 }
 
 // sums [16 n][16 m] + bias -> out[m0 + m][n0 + n] for the rows and columns that exist.
@@ -208,67 +239,12 @@ inline void panel_product(const uint16_t* buf, const uint16_t* xp, const uint16_
   }
 }
 
-// Without tiles: sums of M rows of x (row-major, K) by weight rows n and n + 1 of the panel,
-// 32 products a pair dot product (vdpbf16ps). The panel sits in L1/L2, so two weight rows a
-// pass halve the loads of x a product (four a pass measured no faster on Zen 4); each row's
-// sums run over K in one order whatever M.
-template <int M>
-inline void dot_pair(const uint16_t* x, const uint16_t* w, int64_t K, float (&sums)[2][M]) {
-  __m512 acc[2][M];
-  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += kTileK) {  // K: whole blocks of 32
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + K + k);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], xv, w0);
-      acc[1][m] = _mm512_dpbf16_ps(acc[1][m], xv, w1);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    sums[0][m] = _mm512_reduce_add_ps(acc[0][m]);
-    sums[1][m] = _mm512_reduce_add_ps(acc[1][m]);
-  }
-}
-
-// Rows r0 .. r0 + M of out, the panel's columns n0 + [0, count) (count even: the panel's rows
-// past count are zero, so an odd count's last pair reads one of them and drops its sums).
-template <int M>
-void panel_rows(const uint16_t* buf, const uint16_t* x, const uint16_t* bias, uint16_t* out,
-                int64_t r0, int64_t K, int64_t n0, int64_t count, int64_t N) {
-  for (int64_t n = 0; n < count; n += 2) {
-    float sums[2][M];
-    dot_pair<M>(x + r0 * K, buf + n * K, K, sums);
-    for (int j = 0; j < 2 && n + j < count; ++j) {
-      const float b = bias ? widen(bias[n0 + n + j]) : 0.0f;
-      for (int m = 0; m < M; ++m) store(sums[j][m] + b, out + (r0 + m) * N + n0 + n + j);
-    }
-  }
-}
-
-// Without tiles: the panel's `count` weight rows times every row of x, into out's columns n0...
-inline void panel_dots(const uint16_t* buf, const uint16_t* x, const uint16_t* bias,
-                       uint16_t* out, int64_t rows, int64_t K, int64_t n0, int64_t count,
-                       int64_t N) {
-  int64_t r0 = 0;
-  for (; r0 + 8 <= rows; r0 += 8) panel_rows<8>(buf, x, bias, out, r0, K, n0, count, N);
-  switch (rows - r0) {  // M is a template argument so that the sums live in registers
-    case 1: return panel_rows<1>(buf, x, bias, out, r0, K, n0, count, N);
-    case 2: return panel_rows<2>(buf, x, bias, out, r0, K, n0, count, N);
-    case 3: return panel_rows<3>(buf, x, bias, out, r0, K, n0, count, N);
-    case 4: return panel_rows<4>(buf, x, bias, out, r0, K, n0, count, N);
-    case 5: return panel_rows<5>(buf, x, bias, out, r0, K, n0, count, N);
-    case 6: return panel_rows<6>(buf, x, bias, out, r0, K, n0, count, N);
-    case 7: return panel_rows<7>(buf, x, bias, out, r0, K, n0, count, N);
-    default: return;
-  }
-}
-
 template <typename F>
 void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint16_t* out,
                  int64_t rows, int64_t K, int64_t N, bool tiles, int num_threads) {
   const std::vector<uint16_t> xp = tiles ? pack_x(x, rows, K) : std::vector<uint16_t>();
   const int64_t panels = (N + kPanel - 1) / kPanel;
+  const bool quads = !tiles && rows >= gguf_dots::kQuadRows;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, panels)))
   {
     std::vector<uint16_t> buf(kPanel * K);
@@ -276,11 +252,13 @@ void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kPanel, count = std::min(kPanel, N - n0);
-      dequantize_panel<F>(w, K, n0, count, buf.data());
+      dequantize_panel<F>(w, K, n0, count, quads, buf.data());
       if (tiles)
         panel_product(buf.data(), xp.data(), bias, out, rows, K, n0, N);
+      else if (quads)
+        gguf_dots::panel_quads(buf.data(), x, bias, out, rows, K, n0, count, N);
       else
-        panel_dots(buf.data(), x, bias, out, rows, K, n0, count, N);
+        gguf_dots::panel_pairs(buf.data(), x, bias, out, rows, K, n0, count, N);
     }
     if (tiles) _tile_release();
   }
@@ -296,7 +274,7 @@ inline int dequantize(int type, const uint8_t* w, uint16_t* out, int64_t N, int6
     const int64_t blocks = K / (kGroup * F::kGroups), row_bytes = blocks * F::kBytes;
     if (K % (kGroup * F::kGroups) != 0) return 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) dequantize_row<F>(w + n * row_bytes, blocks, out + n * K);
+    for (int64_t n = 0; n < N; ++n) dequantize_row<F>(w + n * row_bytes, blocks, RowMajor{out + n * K});
     return 0;
   });
 }

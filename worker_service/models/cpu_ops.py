@@ -69,6 +69,8 @@ EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
 AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kAmxRows)
 # Without tiles, from this many rows FAST takes bf16 panels with AVX512-BF16 dots (kBf16Rows)
 BF16_GGUF_ROWS = 8
+# and from this many the panels take the Quads layout (gguf_dots.h: kQuadRows)
+QUAD_GGUF_ROWS = 32
 # Without tiles, from this many rows a GGUF GEMM in bf16 dequantizes the weight to bf16 for
 # oneDNN (quant.BlockWeight.linear): at prefill sizes oneDNN's GEMM outruns the panels' dots
 # by more than the dequantization costs (default model's shapes, Zen 4, 2 threads: 1.3-1.6x
