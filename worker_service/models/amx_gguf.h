@@ -264,21 +264,6 @@ void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint
   }
 }
 
-// w [N, K] blocks of `type` -> out [N, K] bf16, the values the panels multiply, rows over
-// threads: for a GEMM of many rows through oneDNN (cpu_ops.DEQUANT_GGUF_ROWS). Returns 0, 2
-// for K not whole blocks, 3 for a type it does not know.
-inline int dequantize(int type, const uint8_t* w, uint16_t* out, int64_t N, int64_t K,
-                      int num_threads) {
-  return gguf_gemm::with_format(type, [&](auto format) {
-    using F = decltype(format);
-    const int64_t blocks = K / (kGroup * F::kGroups), row_bytes = blocks * F::kBytes;
-    if (K % (kGroup * F::kGroups) != 0) return 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) dequantize_row<F>(w + n * row_bytes, blocks, RowMajor{out + n * K});
-    return 0;
-  });
-}
-
 // gguf_gemm::gemm for bf16 x over panels dequantized to bf16: on AMX tiles where `tiles`
 // (amx_gemm::lent()), else with AVX512-BF16 dot products. Returns 0, 2 for rows < 1 or K not
 // whole blocks, 3 for a type it does not know.

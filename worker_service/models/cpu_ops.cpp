@@ -121,20 +121,6 @@ int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const v
   return 1;
 }
 
-// w [N, K / 32 or K / 256] blocks of GGUF `type` -> out [N, K] bf16 (the values the bf16 fast
-// path multiplies); 3 where this build has no such path (below AVX512_BF16) or for an unknown
-// type, 2 for K not whole blocks. N = 0 touches nothing: how Python asks whether it is built.
-int tessera_dequantize_gguf(int type, const void* w, void* out, int64_t N, int64_t K,
-                            int num_threads) {
-#if defined(__AVX512BF16__)
-  return amx_gguf::dequantize(type, static_cast<const uint8_t*>(w), static_cast<uint16_t*>(out),
-                              N, K, num_threads);
-#else
-  (void)type, (void)w, (void)out, (void)N, (void)K, (void)num_threads;
-  return 3;
-#endif
-}
-
 // logits [B, vocab] float32; bitmask [n, words] (bit j of word w: token 32 w + j allowed);
 // rows [n]: the logits row of each bitmask row. Disallowed tokens become -inf.
 int tessera_apply_bitmask(void* logits, int64_t vocab, const void* rows, const void* bitmask,

@@ -60,8 +60,6 @@ _SIGNATURES: dict[str, list[Any]] = {
         ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int,
         ctypes.c_int,
     ],
-    # type, w, out, N, K, num_threads
-    "tessera_dequantize_gguf": [ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_int],
 }  # fmt: skip
 # Up to this many rows the bf16 GEMM beats oneDNN's float32 one over an upcast copy (AVX2).
 SMALL_GEMM_ROWS = 8
@@ -71,11 +69,6 @@ AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kA
 BF16_GGUF_ROWS = 8
 # and from this many the panels take the Quads layout (gguf_dots.h: kQuadRows)
 QUAD_GGUF_ROWS = 32
-# Without tiles, from this many rows a GGUF GEMM in bf16 dequantizes the weight to bf16 for
-# oneDNN (quant.BlockWeight.linear): at prefill sizes oneDNN's GEMM outruns the panels' dots
-# by more than the dequantization costs (default model's shapes, Zen 4, 2 threads: 1.3-1.6x
-# at 512 rows).
-DEQUANT_GGUF_ROWS = 128
 
 
 @functools.cache
@@ -258,29 +251,6 @@ class CpuOps:
                 f"ggml type {ggml_type} (32 weights; 256 for the K-quants)"
             )
         _check(status, "gemm_gguf")
-        return out
-
-    @functools.cached_property
-    def dequantizes_to_bf16(self) -> bool:
-        """Whether this build has dequantize_gguf (AVX512_BF16, as the bf16 fast path): an
-        empty call answers without touching memory."""
-        return self.lib.tessera_dequantize_gguf(8, None, None, 0, 32, 1) != 3  # Q8_0, N = 0
-
-    def dequantize_gguf(
-        self,
-        blocks: torch.Tensor,  # [N, K / block size * block bytes] uint8: GGUF blocks
-        ggml_type: int,
-        k: int,  # K
-    ) -> torch.Tensor:
-        """The blocks as [N, K] bf16, the values gemm_gguf's FAST path multiplies (where
-        dequantizes_to_bf16)."""
-        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
-        out = torch.empty(blocks.shape[0], k, dtype=torch.bfloat16)
-        status = self.lib.tessera_dequantize_gguf(
-            ggml_type, blocks.data_ptr(), out.data_ptr(), blocks.shape[0], k,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        _check(status, "dequantize_gguf")
         return out
 
 

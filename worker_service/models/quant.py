@@ -82,21 +82,9 @@ class BlockWeight:
 
             return block_linear(x, self.blocks, self.ggml_type, bias)
         if self.ops is not None and x.dim() == 2 and x.shape[0] > 0 and x.dtype in NATIVE:
-            if (dense := self._dequantized_for(x)) is not None:
-                return F.linear(x, dense, bias)
             path = cpu_ops.FAST if x.dtype == torch.bfloat16 else cpu_ops.EXACT
             return self.ops.gemm_gguf(x, self.blocks, self.ggml_type, bias, path)
         return F.linear(x, self.dequantize(x.dtype), bias)
-
-    def _dequantized_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The weight in bf16 [out, in] for oneDNN, where bf16 x has the rows for it and the
-        CPU no AMX tiles (cpu_ops.DEQUANT_GGUF_ROWS); dropped after the call."""
-        if x.dtype != torch.bfloat16 or x.shape[0] < cpu_ops.DEQUANT_GGUF_ROWS:
-            return None
-        assert self.ops is not None
-        if self.ops.amx or not self.ops.dequantizes_to_bf16:
-            return None
-        return self.ops.dequantize_gguf(self.blocks, self.ggml_type, self.in_features)
 
     @property
     def nbytes(self) -> int:
