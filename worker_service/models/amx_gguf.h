@@ -66,7 +66,7 @@ inline __m512i group_bf16(__m512 q0, __m512 q1, float d, float m) {
 }
 
 // Where a dequantized row's groups of 32 go: row-major at dst (the tiles' A side, the dots'
-// row pairs, oneDNN's weight); gguf_dots.h's Quads is the other layout.
+// row pairs); gguf_dots.h's Quads is the other layout.
 struct RowMajor {
   uint16_t* dst;
   void operator()(int64_t g, __m512i v) const { _mm512_storeu_si512(dst + g * kGroup, v); }
@@ -165,15 +165,16 @@ void dequantize_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t count, bo
     return;
   }
   for (int64_t c0 = 0; c0 < kPanel; c0 += 4)
-    for (int64_t b0 = 0; b0 < blocks; b0 += chunk)
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+      const int64_t n = std::min(chunk, blocks - b0);
       for (int64_t c = c0; c < c0 + 4; ++c) {
         const gguf_dots::Quads put{buf, c, b0 * F::kGroups};
-        const int64_t n = std::min(chunk, blocks - b0);
         if (c < count)
           dequantize_row<F>(w + (n0 + c) * row_bytes + b0 * F::kBytes, n, put);
         else
           for (int64_t g = 0; g < n * F::kGroups; ++g) put(g, _mm512_setzero_si512());
       }
+    }
 }
 
 // sums [16 n][16 m] + bias -> out[m0 + m][n0 + n] for the rows and columns that exist.
