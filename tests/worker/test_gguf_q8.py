@@ -74,6 +74,24 @@ def test_int8_activations_equal_the_quantized_products(
     _assert_float32_sums_rounded(ours, exact, magnitude)
 
 
+@pytest.mark.parametrize("ggml_type", [quant.Q4_0, quant.Q4_1, quant.Q8_0], ids=str)
+def test_a_rows_int8_result_does_not_depend_on_the_other_rows(level: str, ggml_type: int) -> None:
+    """Each row of x takes the same sums alone, among 7 rows or among 20 (VNNI builds take Q4
+    blocks 16 weight rows a pass, gguf_q8_wide.h: 83 columns are 5 passes and a tail of 3)."""
+    if level == "":
+        pytest.skip("no integer dot products in the portable build: the float path")
+    ops = cpu_ops.build(level)
+    torch.manual_seed(ggml_type)
+    blocks = random_blocks(ggml_type, 83, 192)
+    x = torch.randn(20, 192).bfloat16()
+    together = ops.gemm_gguf(x, blocks, ggml_type, None, path=cpu_ops.INT8)
+    for r in (0, 6, 19):
+        alone = ops.gemm_gguf(x[r : r + 1], blocks, ggml_type, None, path=cpu_ops.INT8)
+        among_7 = ops.gemm_gguf(x[r // 7 * 7 :][:7], blocks, ggml_type, None, path=cpu_ops.INT8)
+        assert torch.equal(alone[0], together[r])
+        assert torch.equal(among_7[r % 7], together[r])
+
+
 def test_int8_activations_stay_close_to_the_float_product() -> None:
     """Quantizing x costs about 1/254 of each block's largest value, no more (Q8_0 weights)."""
     ops = cpu_ops.load()

@@ -5,7 +5,8 @@
 // (m: the block's offset, 0 for Q8_0; sum(x) exact in float32). AVX2's u8 x s8 multiply-add
 // (vpmaddubsw) takes all 32 products of a block in one instruction where the float path
 // widens them to floats 8 at a time: half the instructions a weight, on the bf16 (fast) path;
-// VNNI's vpdpbusd (AVX512-VNNI builds) sums them to int32 in that one instruction.
+// VNNI's vpdpbusd (AVX512-VNNI builds) sums them to int32 in that one instruction, and
+// takes Q4_0 and Q4_1 16 weight rows at a time (gguf_q8_wide.h).
 // The float path (gguf_gemm.h) stays the exact one: float32 models, builds without AVX2.
 #pragma once
 
@@ -167,6 +168,12 @@ struct Q8Dot {
   }
 };
 
+}  // namespace gguf_q8
+
+#include "gguf_q8_wide.h"  // 16 weight rows a pass where the build has VNNI (needs Q8Dot)
+
+namespace gguf_q8 {
+
 template <typename F, typename TX>
 void gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t rows, int64_t K,
                  int64_t N, int num_threads) {
@@ -178,7 +185,12 @@ void gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t
   for (int64_t i = 0; i < blocks; ++i)
     for (int64_t c = 0; c < kBlock; ++c) xsum[i] += xf[i * kBlock + c];
   const Q8Dot<F> dot{qx.data(), dx.data(), xsum.data(), w, K};
-  small_gemm::run(dot, bias, out, rows, N, N * (K / kBlock) * F::kBytes, num_threads);
+  const int64_t weight_bytes = N * (K / kBlock) * F::kBytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (wide::Lanes<F>::kWide)
+    return small_gemm::run(wide::Dot<F>{dot}, bias, out, rows, N, weight_bytes, num_threads);
+#endif
+  small_gemm::run(dot, bias, out, rows, N, weight_bytes, num_threads);
 }
 
 // gguf_gemm::gemm with int8 activations; 3 for a type without an int8 path (the caller then

@@ -174,8 +174,17 @@ struct DenseDot {
   }
 };
 
+// A Dot's weight rows a pass: its kColumns where it has run_columns, else 1.
+template <typename Dot, typename = void>
+struct Columns : std::integral_constant<int64_t, 1> {};
+template <typename Dot>
+struct Columns<Dot, std::void_t<decltype(Dot::kColumns)>>
+    : std::integral_constant<int64_t, Dot::kColumns> {};
+
 // out[r, n] = dot(r, n) + bias[n], for any `Dot` with
-// `template <int M> void run(int64_t r0, int64_t n, float (&sums)[M])` (sums of rows r0..r0+M).
+// `template <int M> void run(int64_t r0, int64_t n, float (&sums)[M])` (sums of rows r0..r0+M)
+// and, optionally, kColumns weight rows a pass:
+// `template <int M> void run_columns(int64_t r0, int64_t n, float (&sums)[M][kColumns])`.
 template <typename Dot, typename TX>
 struct Output {
   const Dot& dot;
@@ -186,7 +195,19 @@ struct Output {
   // Rows [r0, r0 + M) of out, columns [n0, n1).
   template <int M>
   void block(int64_t r0, int64_t n0, int64_t n1) const {
-    for (int64_t n = n0; n < n1; ++n) {
+    int64_t n = n0;
+    if constexpr (Columns<Dot>::value > 1) {
+      constexpr int64_t C = Columns<Dot>::value;
+      for (; n + C <= n1; n += C) {
+        float sums[M][C];
+        dot.template run_columns<M>(r0, n, sums);
+        for (int64_t j = 0; j < C; ++j) {
+          const float b = bias ? widen(bias[n + j]) : 0.0f;
+          for (int m = 0; m < M; ++m) store(sums[m][j] + b, out + (r0 + m) * N + n + j);
+        }
+      }
+    }
+    for (; n < n1; ++n) {
       float sums[M];
       dot.template run<M>(r0, n, sums);
       const float b = bias ? widen(bias[n]) : 0.0f;
