@@ -1,5 +1,5 @@
 """The GGUF GEMM over bf16 panels (amx_gguf.h, the bf16 fast path from 6 rows on AMX CPUs,
-from 8 with AVX512-BF16 dot products on those without tiles, gguf_dots.h): every block format,
+from 8 (Q4_0 and Q4_1: 24) with AVX512-BF16 dot products on those without tiles, gguf_dots.h): every block format,
 dequantized to bf16 a panel of 32 weight rows at a time, against a float64 matmul of x with the
 same weights rounded to bf16. Row counts across the 16-row tiles and their pairs, the 8-row
 blocks of the dots' row pairs and the switch to their Quads layout, column tails of the 32-row
@@ -22,11 +22,15 @@ ROWS = [
     15,
     16,
     17,
+    cpu_ops.WIDE_GGUF_ROWS - 1,  # Q4_0 / Q4_1 without tiles: int8 x's last
+    cpu_ops.WIDE_GGUF_ROWS,  # and their panels' first
     cpu_ops.QUAD_GGUF_ROWS - 1,  # the dots' last by row pairs
     cpu_ops.QUAD_GGUF_ROWS,  # and first in the Quads layout
     33,
     70,
 ]  # the fast path's smallest, x tiles of 16 and pairs of them
+# Without tiles the panels take Q4_0 and Q4_1 from WIDE_GGUF_ROWS rows, the rest from BF16_GGUF_ROWS
+WIDE_ROWS = dict.fromkeys([quant.Q4_0, quant.Q4_1], cpu_ops.WIDE_GGUF_ROWS)
 SHAPES = {32: [(1, 32), (37, 96), (65, 576)], 256: [(33, 256), (70, 768)]}  # [N, K] by block
 
 
@@ -59,6 +63,10 @@ def test_panels_multiply_the_weights_rounded_to_bf16(
     x, b = torch.randn(rows, k).bfloat16(), torch.randn(n).bfloat16()
     w = quant.dequantize_blocks(blocks, ggml_type).bfloat16().double()
     ours = panel_ops.gemm_gguf(x, blocks, ggml_type, b, path=cpu_ops.FAST)
+    if not panel_ops.amx and rows < WIDE_ROWS.get(ggml_type, cpu_ops.BF16_GGUF_ROWS):
+        # Q4_0 / Q4_1 without tiles: int8 x up to here (test_gguf_q8.py checks its sums)
+        assert torch.equal(ours, panel_ops.gemm_gguf(x, blocks, ggml_type, b, cpu_ops.INT8))
+        return
     exact = x.double() @ w.T + b.double()
     magnitude = x.double().abs() @ w.abs().T + b.double().abs()
     # Output rounded once to bf16; float32 sums; a weight's bf16 rounding may differ by one
@@ -80,11 +88,11 @@ def test_a_rows_result_does_not_depend_on_the_others(
     """Over the panels each row's sums run over K in one order whatever the batch, within
     each layout's row counts (the dots' two layouts sum in different orders)."""
     torch.manual_seed(0)
-    blocks = random_blocks(quant.Q4_1, 960, 576)
+    blocks = random_blocks(quant.Q8_0, 960, 576)  # on the panels from BF16_GGUF_ROWS
     x = torch.randn(many, 576).bfloat16()
-    batch = panel_ops.gemm_gguf(x, blocks, quant.Q4_1, None, path=cpu_ops.FAST)
+    batch = panel_ops.gemm_gguf(x, blocks, quant.Q8_0, None, path=cpu_ops.FAST)
     for i in (0, (many - few) // 2, many - few):
-        alone = panel_ops.gemm_gguf(x[i : i + few], blocks, quant.Q4_1, None, path=cpu_ops.FAST)
+        alone = panel_ops.gemm_gguf(x[i : i + few], blocks, quant.Q8_0, None, path=cpu_ops.FAST)
         assert torch.equal(alone, batch[i : i + few])
 
 

@@ -67,6 +67,8 @@ EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
 AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kAmxRows)
 # Without tiles, from this many rows FAST takes bf16 panels with AVX512-BF16 dots (kBf16Rows)
 BF16_GGUF_ROWS = 8
+# for Q4_0 and Q4_1 (int8 x 16 weight rows a pass: gguf_q8.h, kWideBf16Rows)
+WIDE_GGUF_ROWS = 24
 # and from this many the panels take the Quads layout (gguf_dots.h: kQuadRows)
 QUAD_GGUF_ROWS = 32
 

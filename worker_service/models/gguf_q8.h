@@ -225,7 +225,7 @@ namespace gguf_q8 {
 // How a GEMM over blocks multiplies: kExact keeps x in float32 (the parity path); kInt8
 // quantizes x to int8 per 32 values (above); kFast, the bf16 default, takes AMX tiles
 // (amx_gguf.h) from kAmxRows rows where this process has them, else bf16 panels with
-// AVX512-BF16 dots from kBf16Rows rows, else int8 x.
+// AVX512-BF16 dots from bf16_rows(type) rows, else int8 x.
 enum Path { kExact = 0, kInt8 = 1, kFast = 2 };
 // From this many rows the tiles beat int8 x (default model's 30 layers, 2 threads, Q4_1 / Q8_0,
 // ms: 5 rows 10.6 / 11.4 vs 11.5 / 13.1; 6 rows 11.7 / 12.4 vs 11.3 / 13.0; 8 rows 15.4 /
@@ -235,6 +235,17 @@ constexpr int64_t kAmxRows = 6;
 // Zen 4, 2 threads, ms, default model MLP + o shapes, int8 x vs panels: Q4_1 6 rows 0.20 vs
 // 0.24, 8 rows 0.30 vs 0.23, 32 rows 0.94 vs 0.53; Q8_0 32 rows 0.86 vs 0.55).
 constexpr int64_t kBf16Rows = 8;
+// For Q4_0 and Q4_1, whose int8 x takes 16 weight rows a pass (gguf_q8_wide.h), from this many
+// (AMD EPYC Zen 5, 2 threads, from memory, ms, int8 x vs panels: 16 rows qkv 0.039 vs 0.048,
+// gate_up 0.096 vs 0.139, down 0.070 vs 0.063; 24 rows 0.064 / 0.146 / 0.104 vs 0.065 / 0.187
+// / 0.083; 28 rows 0.075 / 0.178 / 0.124 vs 0.074 / 0.222 / 0.096).
+constexpr int64_t kWideBf16Rows = 24;
+
+#if defined(__AVX512BF16__)
+inline int64_t bf16_rows(int type) {  // the panels' first row count without tiles
+  return type == Q4_0::kType || type == Q4_1::kType ? kWideBf16Rows : kBf16Rows;
+}
+#endif
 
 // The GEMM `path` asks for where this build has it (AVX2 for int8 x, AVX512_BF16 and AMX for
 // the tiles) and the type has one, else the float one (gguf_gemm.h). Status: 0 ok, 2 K not
@@ -246,7 +257,7 @@ int gemm_or_float(int type, const TX* x, const uint8_t* w, const TX* bias, TX* o
   if constexpr (std::is_same_v<TX, uint16_t>) {  // bf16 x: AMX tiles where this process has them
     if (path == kFast && amx_gemm::lent() && rows >= kAmxRows)
       return amx_gguf::gemm(type, x, w, bias, out, rows, K, N, true, num_threads);
-    if (path == kFast && !amx_gemm::lent() && rows >= kBf16Rows)
+    if (path == kFast && !amx_gemm::lent() && rows >= bf16_rows(type))
       return amx_gguf::gemm(type, x, w, bias, out, rows, K, N, false, num_threads);
   }
 #endif
