@@ -5,8 +5,8 @@
 // (m: the block's offset, 0 for Q8_0; sum(x) exact in float32). AVX2's u8 x s8 multiply-add
 // (vpmaddubsw) takes all 32 products of a block in one instruction where the float path
 // widens them to floats 8 at a time: half the instructions a weight, on the bf16 (fast) path;
-// VNNI's vpdpbusd (AVX512-VNNI builds) sums them to int32 in that one instruction, and
-// takes Q4_0 and Q4_1 16 weight rows at a time (gguf_q8_wide.h).
+// VNNI's vpdpbusd (AVX512-VNNI builds) sums them to int32 in that one instruction. Q4_0 and
+// Q4_1 go 16 weight rows at a time (8 with AVX2; gguf_q8_wide.h).
 // The float path (gguf_gemm.h) stays the exact one: float32 models, builds without AVX2.
 #pragma once
 
@@ -170,7 +170,7 @@ struct Q8Dot {
 
 }  // namespace gguf_q8
 
-#include "gguf_q8_wide.h"  // 16 weight rows a pass where the build has VNNI (needs Q8Dot)
+#include "gguf_q8_wide.h"  // Q4_0 and Q4_1 several weight rows a pass (needs Q8Dot)
 
 namespace gguf_q8 {
 
@@ -186,10 +186,8 @@ void gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t
     for (int64_t c = 0; c < kBlock; ++c) xsum[i] += xf[i * kBlock + c];
   const Q8Dot<F> dot{qx.data(), dx.data(), xsum.data(), w, K};
   const int64_t weight_bytes = N * (K / kBlock) * F::kBytes;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if constexpr (wide::Lanes<F>::kWide)
     return small_gemm::run(wide::Dot<F>{dot}, bias, out, rows, N, weight_bytes, num_threads);
-#endif
   small_gemm::run(dot, bias, out, rows, N, weight_bytes, num_threads);
 }
 
