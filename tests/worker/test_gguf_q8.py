@@ -76,8 +76,9 @@ def test_int8_activations_equal_the_quantized_products(
 
 @pytest.mark.parametrize("ggml_type", [quant.Q4_0, quant.Q4_1, quant.Q8_0], ids=str)
 def test_a_rows_int8_result_does_not_depend_on_the_other_rows(level: str, ggml_type: int) -> None:
-    """Each row of x takes the same sums alone, among 7 rows or among 20 (VNNI builds take Q4
-    blocks 16 weight rows a pass, gguf_q8_wide.h: 83 columns are 5 passes and a tail of 3)."""
+    """Each row of x takes the same sums alone, among 7 rows or among 20 (Q4 blocks go 16
+    weight rows a pass with VNNI, 8 with AVX2, gguf_q8_wide.h: 83 columns end in a tail of 3
+    single columns either way)."""
     if level == "":
         pytest.skip("no integer dot products in the portable build: the float path")
     ops = cpu_ops.build(level)
