@@ -187,8 +187,9 @@ void gemm_format(const TX* x, const uint8_t* w, const TX* bias, TX* out, int64_t
   const Q8Dot<F> dot{qx.data(), dx.data(), xsum.data(), w, K};
   const int64_t weight_bytes = N * (K / kBlock) * F::kBytes;
   if constexpr (wide::Lanes<F>::kWide)
-    return small_gemm::run(wide::Dot<F>{dot}, bias, out, rows, N, weight_bytes, num_threads);
-  small_gemm::run(dot, bias, out, rows, N, weight_bytes, num_threads);
+    small_gemm::run(wide::Dot<F>{dot}, bias, out, rows, N, weight_bytes, num_threads);
+  else
+    small_gemm::run(dot, bias, out, rows, N, weight_bytes, num_threads);
 }
 
 // gguf_gemm::gemm with int8 activations; 3 for a type without an int8 path (the caller then
