@@ -1,6 +1,6 @@
 """The GGUF GEMM over bf16 panels (amx_gguf.h, the bf16 fast path from 6 rows on AMX CPUs,
-from 8 (Q4_0 and Q4_1: 24) with AVX512-BF16 dot products on those without tiles, gguf_dots.h): every block format,
-dequantized to bf16 a panel of 32 weight rows at a time, against a float64 matmul of x with the
+from 8 (Q4_0 and Q4_1: 24) with AVX512-BF16 dot products on those without tiles,
+gguf_dots.h): every block format, dequantized to bf16 a panel of 32 weight rows at a time, against a float64 matmul of x with the
 same weights rounded to bf16. Row counts across the 16-row tiles and their pairs, the 8-row
 blocks of the dots' row pairs and the switch to their Quads layout, column tails of the 32-row
 panels, bias. Runs only where the build has
@@ -29,7 +29,7 @@ ROWS = [
     33,
     70,
 ]  # the fast path's smallest, x tiles of 16 and pairs of them
-# Without tiles the panels take Q4_0 and Q4_1 from WIDE_GGUF_ROWS rows, the rest from BF16_GGUF_ROWS
+# Without tiles the panels take Q4_0 and Q4_1 from WIDE_GGUF_ROWS rows, others from BF16_GGUF_ROWS
 WIDE_ROWS = dict.fromkeys([quant.Q4_0, quant.Q4_1], cpu_ops.WIDE_GGUF_ROWS)
 SHAPES = {32: [(1, 32), (37, 96), (65, 576)], 256: [(33, 256), (70, 768)]}  # [N, K] by block
 

@@ -39,10 +39,7 @@ struct Simd {  // 16 weight rows a pass
   static I lane_rows() {
     return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   }
-  // The rows' 16 bytes at p (rows `stride` bytes apart) -> g[c], c = 0..3: each lane bytes
-  // 4c..4c+3 of its row.
-  static void transpose(const uint8_t* p, int64_t stride, I* g) {
-    I r[4];  // r[a], 128-bit lane L: row 4a + L
+  static void load_rows(const uint8_t* p, int64_t stride, I (&r)[4]) {  // r[a], lane L: 4a + L
     for (int a = 0; a < 4; ++a) {
       const uint8_t* q = p + 4 * a * stride;
       r[a] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -51,13 +48,11 @@ struct Simd {  // 16 weight rows a pass
         r[a] = _mm512_inserti32x4(r[a], row, l);
       }
     }
-    const I t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
-    const I t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
-    g[0] = _mm512_unpacklo_epi64(t0, t2);
-    g[1] = _mm512_unpackhi_epi64(t0, t2);
-    g[2] = _mm512_unpacklo_epi64(t1, t3);
-    g[3] = _mm512_unpackhi_epi64(t1, t3);
   }
+  static I lo32(I a, I b) { return _mm512_unpacklo_epi32(a, b); }
+  static I hi32(I a, I b) { return _mm512_unpackhi_epi32(a, b); }
+  static I lo64(I a, I b) { return _mm512_unpacklo_epi64(a, b); }
+  static I hi64(I a, I b) { return _mm512_unpackhi_epi64(a, b); }
   static I low_nibbles(I g) { return _mm512_and_si512(g, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I g) { return low_nibbles(_mm512_srli_epi16(g, 4)); }
   // Each lane's sum of v[j]'s 4 unsigned bytes times q[j]'s 4 signed ones, over j = 0..7.
@@ -90,20 +85,17 @@ struct Simd {  // 8 weight rows a pass; lane i holds row i
   using V = __m256;
   static constexpr int64_t kColumns = 8;
 
-  static void transpose(const uint8_t* p, int64_t stride, I* g) {
-    I r[4];  // r[a], 128-bit lane L: row a + 4L
+  static void load_rows(const uint8_t* p, int64_t stride, I (&r)[4]) {  // r[a], lane L: a + 4L
     for (int a = 0; a < 4; ++a) {
       const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + a * stride));
       const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (a + 4) * stride));
       r[a] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
     }
-    const I t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-    const I t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-    g[0] = _mm256_unpacklo_epi64(t0, t2);
-    g[1] = _mm256_unpackhi_epi64(t0, t2);
-    g[2] = _mm256_unpacklo_epi64(t1, t3);
-    g[3] = _mm256_unpackhi_epi64(t1, t3);
   }
+  static I lo32(I a, I b) { return _mm256_unpacklo_epi32(a, b); }
+  static I hi32(I a, I b) { return _mm256_unpackhi_epi32(a, b); }
+  static I lo64(I a, I b) { return _mm256_unpacklo_epi64(a, b); }
+  static I hi64(I a, I b) { return _mm256_unpackhi_epi64(a, b); }
   static I low_nibbles(I g) { return _mm256_and_si256(g, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I g) { return low_nibbles(_mm256_srli_epi16(g, 4)); }
   // vpmaddubsw's pair sums stay within int16 over all 8 (values <= 15, |q_x| <= 127: 8 x 3810).
@@ -141,11 +133,25 @@ constexpr int64_t kColumns = Simd::kColumns;  // weight rows a pass
 using I = Simd::I;
 using V = Simd::V;
 
+// The pass's rows' 16 bytes at p (rows `stride` bytes apart) -> g[c], c = 0..3: each lane
+// bytes 4c..4c+3 of its row (Simd::load_rows puts 4 dwords of one row in each 128-bit lane;
+// a 4 x 4 dword transpose within the lanes).
+inline void transpose(const uint8_t* p, int64_t stride, I* g) {
+  I r[4];
+  Simd::load_rows(p, stride, r);
+  const I t0 = Simd::lo32(r[0], r[1]), t1 = Simd::hi32(r[0], r[1]);
+  const I t2 = Simd::lo32(r[2], r[3]), t3 = Simd::hi32(r[2], r[3]);
+  g[0] = Simd::lo64(t0, t2);
+  g[1] = Simd::hi64(t0, t2);
+  g[2] = Simd::lo64(t1, t3);
+  g[3] = Simd::hi64(t1, t3);
+}
+
 // Q4 nibbles: byte j holds value j (low) and value 16 + j (high). v[c] values 4c..4c+3,
 // v[4 + c] values 16 + 4c.., so v[j] meets the j-th 4 q_x of the block.
 inline void nibble_values(const uint8_t* p, int64_t stride, I (&v)[8]) {
   I g[4];
-  Simd::transpose(p, stride, g);
+  transpose(p, stride, g);
   for (int c = 0; c < 4; ++c) {
     v[c] = Simd::low_nibbles(g[c]);
     v[4 + c] = Simd::high_nibbles(g[c]);
