@@ -106,9 +106,11 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
         ]  # fmt: skip
         services += [
             Service(f"worker{replica.suffix}", worker_argv, grpc_up(worker_addr),
-                    grpc_up(worker_addr, LIVENESS_TIMEOUT_S), env),
+                    grpc_up(worker_addr, LIVENESS_TIMEOUT_S), env,
+                    (("127.0.0.1", replica.worker_port),)),
             Service(f"scheduler{replica.suffix}", scheduler_argv, grpc_ok(scheduler_addr),
-                    grpc_up(scheduler_addr, LIVENESS_TIMEOUT_S), env),
+                    grpc_up(scheduler_addr, LIVENESS_TIMEOUT_S), env,
+                    ((replica.scheduler_host, replica.scheduler_port),)),
         ]  # fmt: skip
     schedulers = [f"--scheduler=127.0.0.1:{r.scheduler_port}" for r in replicas]
     gateway_argv = [py, "-m", "gateway", *schedulers, *common, *to_flags(gateway, skip=["api_key"])]
@@ -116,7 +118,10 @@ def build_services(args: argparse.Namespace, token: str) -> list[Service]:
     health = f"http://{probe_host}:{args.port}/health"
     # the key goes by environment too (`ps` shows argv); none given: the gateway inherits ours
     gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
-    services.append(Service("gateway", gateway_argv, http_ok(health), http_up(health), gateway_env))
+    listens = ((args.host, args.port), (args.host, args.grpc_port))
+    services.append(
+        Service("gateway", gateway_argv, http_ok(health), http_up(health), gateway_env, listens)
+    )
     return services
 
 

@@ -55,16 +55,18 @@ class Topology:
 def data_parallel_replicas(
     args: argparse.Namespace, scheduler_host: str = "127.0.0.1"
 ) -> list[EngineReplica]:
-    """The replicas `args` ask for; ValueError when two services would share a port."""
+    """The replicas `args` ask for; ValueError when two services would share a port (the
+    gateway's may be 0: any free one) or an engine port is out of range."""
     size = args.data_parallel_size
     if size < 1:
         raise ValueError("--data-parallel-size must be >= 1")
     schedulers = [args.scheduler_port + PORT_STRIDE * i for i in range(size)]
     workers = [args.worker_port + PORT_STRIDE * i for i in range(size)]
-    ports = [*schedulers, *workers, args.port, args.grpc_port]
-    if len(set(ports)) < len(ports) or max(ports) > 65535:
+    engines = [*schedulers, *workers]  # probed at their numbers: 0 (any free port) won't do
+    ports = [*engines, *(p for p in (args.port, args.grpc_port) if p)]
+    if len(set(ports)) < len(ports) or max(ports) > 65535 or min(engines) < 1:
         raise ValueError(
-            f"ports collide or overflow: schedulers {schedulers}, workers {workers}, "
+            f"ports collide or are out of range: schedulers {schedulers}, workers {workers}, "
             f"gateway {args.port} and {args.grpc_port}"
         )
     kv = str(parse_bytes(args.kv_cache_memory) // size) if size > 1 else args.kv_cache_memory

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -63,6 +64,7 @@ class Service:
     ready: Callable[[], bool]
     up: Callable[[], bool]  # liveness: the process answers at all (healthy or not)
     env: Mapping[str, str] = field(default_factory=dict)  # added to the launcher's environment
+    listens: tuple[tuple[str, int], ...] = ()  # (host, port) it binds: checked free before start
     process: subprocess.Popen[str] | None = None
     started_at: float = 0.0
     backoff_s: float = BACKOFF_FIRST_S
@@ -146,6 +148,21 @@ def terminate(process: subprocess.Popen[Any], timeout_s: float) -> None:
         process.wait()
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether a TCP server could listen on host:port now (port 0 always can). Bound without
+    SO_REUSEPORT, as our servers are, so a server that set it still counts as there."""
+    if port == 0:
+        return True
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not in use
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def http_ok(url: str) -> Callable[[], bool]:
     """A readiness probe: GET url answers 200."""
     return lambda: http_healthy(url, timeout_s=2)
@@ -194,6 +211,10 @@ class Launcher:
                 signal.signal(sig, handler)
 
     def _start(self, service: Service) -> bool:
+        taken = [f"{host}:{port}" for host, port in service.listens if not port_free(host, port)]
+        if taken:  # another program's server there would answer our probes in our service's place
+            _say(f"{service.name} cannot listen on {', '.join(taken)}: already in use")
+            return False
         service.start()
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline and not self._stop.is_set():

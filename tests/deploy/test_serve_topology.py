@@ -67,6 +67,8 @@ def test_engine_is_one_replica_listening_on_host() -> None:
         ["serve", "--data-parallel-size", "2", "--scheduler-port", "50051",
          "--grpc-port", str(50051 + PORT_STRIDE)],
         ["serve", "--data-parallel-size", "0"],
+        ["serve", "--worker-port", "0"],  # the launcher probes the worker at its port
+        ["serve", "--port", "8001", "--grpc-port", "8001"],
         ["engine", "--data-parallel-size", "2"],
     ],
 )  # fmt: skip

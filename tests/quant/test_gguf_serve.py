@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.stack import Stack, start_stack
 from services.default_model import gguf_path
+from tests.conftest import free_port
 from tests.hf_reference import hf_greedy
 from tests.quant.gguf_files import truncated
 from tests.quant.test_gguf import PROMPTS
@@ -53,7 +54,9 @@ def test_served_gguf_greedy_equals_hf(stack: Stack, default_model_dir: Path) -> 
 def test_a_bad_gguf_stops_serve_naming_the_file(tmp_path: Path) -> None:
     bad = truncated(tmp_path / "cut.gguf")
     run = subprocess.run(
-        [sys.executable, "-m", "tessera", "serve", "--model", str(bad), "--port", "0"],
+        [sys.executable, "-m", "tessera", "serve", "--model", str(bad), "--port", "0",
+         "--grpc-port", "0", "--worker-port", str(free_port()),
+         "--scheduler-port", str(free_port())],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     output = run.stdout + run.stderr

@@ -1,13 +1,18 @@
 """The launcher's liveness rule, on a real child process: a service that has not answered yet
-is starting (never killed); once it has answered, LIVENESS_MISSES misses in a row kill it."""
+is starting (never killed); once it has answered, LIVENESS_MISSES misses in a row kill it.
+And its start-up checks: a service not ready in time, a port another program holds."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from concurrent import futures
 
+import grpc
 import pytest
 
-from tessera.launcher import LIVENESS_MISSES, Launcher, Service
+from tessera.launcher import LIVENESS_MISSES, Launcher, Service, port_free
+from tests.conftest import free_port
 
 
 def test_misses_count_only_after_a_first_answer_and_kill_after_enough() -> None:
@@ -44,3 +49,23 @@ def test_a_service_not_ready_in_time_prints_its_stacks_and_the_start_fails(
     out = capsys.readouterr()
     assert "hung was not ready in 3s" in out.err
     assert "[hung]" in out.out and "waiting_for_godot" in out.out
+
+
+def test_a_port_another_server_holds_stops_serve_before_any_service_starts() -> None:
+    """A foreign gRPC server on the worker's port (SO_REUSEPORT on, grpc's default) would answer
+    the launcher's probes in the worker's place; serve refuses to start instead."""
+    foreign = grpc.server(futures.ThreadPoolExecutor(1))
+    port = foreign.add_insecure_port("127.0.0.1:0")
+    foreign.start()
+    try:
+        assert not port_free("127.0.0.1", port) and port_free("127.0.0.1", free_port())
+        argv = ["--worker-port", str(port), "--scheduler-port", str(free_port()), "--port", "0"]
+        run = subprocess.run(
+            [sys.executable, "-m", "tessera", "serve", *argv, "--grpc-port", "0"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        foreign.stop(None)
+    assert run.returncode == 1
+    assert f"worker cannot listen on 127.0.0.1:{port}: already in use" in run.stderr
+    assert "[worker]" not in run.stdout and "[scheduler]" not in run.stdout  # none started
