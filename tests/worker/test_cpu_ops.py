@@ -1,6 +1,7 @@
 """The fused CPU ops (cpu_ops.cpp) against the torch code they replace: bf16 results equal
 bit for bit (HF's rounding order) but for rare ties of the norm's float32 sum order; float32
-within float rounding; a whole bf16 model with them gives the torch path's logits."""
+within float rounding; a whole bf16 model with them gives the torch path's logits; the greedy
+pick (argmax_rows) picks torch's max(dim) index on every build level."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from services.step_types import NewRequestData
 from tests.worker.test_qwen_models import _save_tiny
+from tests.worker.test_small_gemm import _runnable_levels
 from worker_service import kv_cache
 from worker_service.attention.cpu import CpuAttentionBackend
 from worker_service.input_batch import InputBatch
@@ -108,3 +110,28 @@ def _prefill(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     step = batch.prepare([state], [len(ids)], torch.device("cpu"))
     with torch.inference_mode(), forward_context(step.meta):
         return model(step.input_ids, step.positions)
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    """Rows that test the first-maximum rule: random; ties within a lane, across lanes and in
+    the tail; the maximum first, last or in the tail; -inf only; NaN after or before the max."""
+    torch.manual_seed(0)
+    cases = [torch.randn(b, v) for b, v in ((1, 49152), (3, 49152), (32, 49152), (5, 17), (2, 33))]
+    ties = torch.randn(6, 100)
+    for row, places in enumerate(([3, 19], [19, 3 + 32], [40, 97], [99], [0, 96], [16, 17])):
+        ties[row, places] = 9.0
+    minus_inf = torch.full((2, 40), float("-inf"))
+    minus_inf[1, 35] = -1e30  # the only finite value, in the tail
+    nan = torch.randn(3, 50)
+    nan[0, [7, 30]] = float("nan")
+    nan[1, 2] = float("inf")
+    nan[1, 45] = float("nan")
+    nan[2, 49] = float("nan")
+    return [*cases, ties, minus_inf, nan, torch.zeros(1, 1)]
+
+
+@pytest.mark.parametrize("level", _runnable_levels(), ids=lambda v: v or "portable")
+def test_argmax_rows_picks_what_torch_max_picks(level: str) -> None:
+    ops = cpu_ops.build(level)
+    for x in _argmax_cases():
+        assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices), x.shape

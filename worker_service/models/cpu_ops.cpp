@@ -2,7 +2,7 @@
 // first use by worker_service/native.py: RMSNorm with the residual add, rotary embedding in
 // place and SiLU(gate) * up (elementwise.h: HF's bf16 rounding order), each replacing the
 // 3-8 torch ops whose dispatch dominates small-batch decode; the sampler's grammar mask
-// (apply_bitmask: float32 logits, int32 words); the weight-bound GEMMs: few rows over bf16
+// (apply_bitmask: float32 logits, int32 words) and its greedy pick (argmax_rows); the weight-bound GEMMs: few rows over bf16
 // weights (small_gemm.h: gemm_bf16), and any rows over GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0, Q4_K, Q5_K, Q6_K) as the file stores them (gguf_formats.h, gguf_gemm.h: gemm_gguf;
 // with int8 activations, gguf_q8.h); and a whole decode step through every decoder layer
@@ -46,6 +46,48 @@ void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint
       }
     }
   }
+}
+
+// Each row's index of its first maximum, as torch's max(dim) picks it (the first NaN where the
+// row has one). One pass: 16 lanes each keep their largest value and where it first came
+// (GCC vector extensions: one vector per width, narrower ones split), then the lanes meet.
+using Floats = float __attribute__((vector_size(64)));
+using Ints = int32_t __attribute__((vector_size(64)));
+
+int64_t argmax_row(const float* row, int64_t vocab) {
+  Floats top = Floats{} - std::numeric_limits<float>::infinity();
+  Ints at = Ints{} - 1, nan = Ints{}, index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  int64_t i = 0;
+  for (; i + 16 <= vocab; i += 16, index += 16) {
+    Floats v;
+    std::memcpy(&v, row + i, sizeof v);
+    const Ints larger = v > top;  // strictly: a lane keeps its first maximum
+    top = larger ? v : top;
+    at = larger ? index : at;
+    nan |= v != v;
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t where = -1;
+  bool any_nan = false;
+  for (int j = 0; j < 16; ++j) {
+    any_nan |= nan[j] != 0;
+    const bool first = at[j] >= 0 && (top[j] > best || (top[j] == best && at[j] < where));
+    if (first) best = top[j], where = at[j];
+  }
+  for (; i < vocab; ++i) {
+    any_nan |= row[i] != row[i];
+    if (row[i] > best) best = row[i], where = i;
+  }
+  if (any_nan) {
+    where = 0;
+    while (row[where] == row[where]) ++where;
+  }
+  return std::max<int64_t>(where, 0);  // a row of -inf only: 0
+}
+
+void argmax_rows(const float* x, int64_t rows, int64_t vocab, int64_t* out, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(rows * vocab, num_threads))
+  for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * vocab, vocab);
 }
 
 }  // namespace
@@ -131,6 +173,11 @@ int tessera_apply_bitmask(void* logits, int64_t vocab, const void* rows, const v
   return 0;
 }
 
+int tessera_argmax_rows(const void* x, int64_t rows, int64_t vocab, void* out, int num_threads) {
+  if (vocab < 1) return 2;
+  argmax_rows(static_cast<const float*>(x), rows, vocab, static_cast<int64_t*>(out), num_threads);
+  return 0;
+}
 
 int tessera_add_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out,
                          int64_t n, int64_t hidden, float eps, int num_threads) {
