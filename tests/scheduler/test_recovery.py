@@ -63,6 +63,10 @@ async def _health_is(s: Stack, status: int) -> bool:
     return await s.health() == status
 
 
+async def _waiting_is(s: Stack, count: int) -> bool:
+    return (await s.stats()).num_waiting == count
+
+
 async def _refused_at_once(s: Stack) -> None:
     """A request while not serving is refused with UNAVAILABLE well within a second."""
     start = time.monotonic()
@@ -82,9 +86,11 @@ def test_a_worker_restarted_mid_stream_errors_in_flight_requests_then_serves_aga
     async def body() -> None:
         async with RestartableStack(FakeWorker(step_delay_s=0.02), max_num_seqs=2) as s:
             await _serves_correctly(s, "before")  # fills the prefix cache too
-            calls = [s.generate(f"r{i}", [1, 2, 3, 4, 5], max_tokens=200) for i in range(3)]
-            for call in calls[:2]:
-                await call.read()  # two run, one waits (max_num_seqs = 2)
+            calls = [s.generate(f"r{i}", [1, 2, 3, 4, 5], max_tokens=200) for i in range(2)]
+            for call in calls:
+                await call.read()  # both run (max_num_seqs = 2) ...
+            calls.append(s.generate("r2", [1, 2, 3, 4, 5], max_tokens=200))
+            await eventually(lambda: _waiting_is(s, 1), timeout_s=5)  # ... and the third waits
             await s.restart_worker(FakeWorker(step_delay_s=0.02, available_blocks=48))
             for call in calls:
                 last: Any = (await read_rest(call))[-1]
