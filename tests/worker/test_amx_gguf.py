@@ -1,9 +1,9 @@
 """The GGUF GEMM over bf16 panels (amx_gguf.h, the bf16 fast path from 6 rows on AMX CPUs,
 from 8 (Q4_0 and Q4_1: 24) with AVX512-BF16 dot products on those without tiles,
-gguf_dots.h): every block format, dequantized to bf16 a panel of 32 weight rows at a time, against a float64 matmul of x with the
-same weights rounded to bf16. Row counts across the 16-row tiles and their pairs, the 8-row
-blocks of the dots' row pairs and the switch to their Quads layout, column tails of the 32-row
-panels, bias. Runs only where the build has
+gguf_dots.h): every block format, dequantized to bf16 a panel of 32 weight rows at a time,
+against a float64 matmul of x with the same weights rounded to bf16. Row counts across the
+16-row tiles and their pairs, the 8-row blocks of the dots' row pairs and the switch to their
+Quads layout, column tails of the 32-row panels, bias. Runs only where the build has
 AVX512-BF16 (the tile tests: where the CPU has AMX tiles); elsewhere each test skips and says
 so."""
 

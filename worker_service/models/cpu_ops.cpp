@@ -2,8 +2,8 @@
 // first use by worker_service/native.py: RMSNorm with the residual add, rotary embedding in
 // place and SiLU(gate) * up (elementwise.h: HF's bf16 rounding order), each replacing the
 // 3-8 torch ops whose dispatch dominates small-batch decode; the sampler's grammar mask
-// (apply_bitmask: float32 logits, int32 words) and its greedy pick (argmax_rows); the weight-bound GEMMs: few rows over bf16
-// weights (small_gemm.h: gemm_bf16), and any rows over GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+// (apply_bitmask: float32 logits, int32 words) and its greedy pick (argmax_rows); the
+// weight-bound GEMMs: few rows over bf16 weights (small_gemm.h: gemm_bf16), and any rows over GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0, Q4_K, Q5_K, Q6_K) as the file stores them (gguf_formats.h, gguf_gemm.h: gemm_gguf;
 // with int8 activations, gguf_q8.h); and a whole decode step through every decoder layer
 // (decode_layers.h: decode_layers). dtype 0 = float32, 1 = bfloat16.

@@ -1,6 +1,7 @@
 """Fused elementwise ops for CPUs (`cpu_ops.cpp`): RMSNorm + residual, RoPE, SiLU * up,
-the sampler's grammar bitmask and greedy pick, and the GEMMs bound by reading the weight (`small_gemm.h`):
-a few rows over bf16 weights, any rows over GGUF's blocks and super-blocks (`gguf_gemm.h`).
+the sampler's grammar bitmask and greedy pick, and the GEMMs bound by reading the weight
+(`small_gemm.h`): a few rows over bf16 weights, any rows over GGUF's blocks and super-blocks
+(`gguf_gemm.h`).
 
 At small batches a decode step is dominated by the dispatch of many tiny torch ops;
 each of these replaces 3-8 of them with one ctypes call that keeps HF's bf16 rounding
