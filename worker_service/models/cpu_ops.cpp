@@ -104,6 +104,15 @@ int tessera_amx_enable() {
 #endif
 }
 
+// 0 where this build has the GEMM over Q8_0 rows (gguf_q8_rows.h: AVX512-VNNI), else 1.
+int tessera_q8_rows() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return 0;
+#else
+  return 1;
+#endif
+}
+
 // x, out [rows, K] and [rows, N] bf16; packed: w [N, K] bf16 in amx_gemm.h's tile layout;
 // bias [N] bf16 or null. Status 1: not in this build, 2: a shape it does not take.
 int tessera_gemm_amx(const void* x, const void* packed, const void* bias, void* out, int64_t rows,

@@ -56,6 +56,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     # x, w, bias, out, rows, K, N, num_threads
     "tessera_gemm_bf16": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
     "tessera_amx_enable": [],
+    "tessera_q8_rows": [],
     # x, packed, bias, out, rows, K, N, num_threads
     "tessera_gemm_amx": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
     # x, packed, bias, out, rows, K, I, num_threads
@@ -199,6 +200,13 @@ class CpuOps:
         """Whether gemm_amx runs here: this build has it (AVX512_BF16), the CPU has AMX tiles
         for bf16, and the kernel lends them to this process."""
         return native.amx_bf16_cpu() and self.lib.tessera_amx_enable() == 0
+
+    @functools.cached_property
+    def q8_rows(self) -> bool:
+        """Whether gemm_gguf runs quant.Q8_0_ROWS weights here: this build has their GEMM
+        (AVX512-VNNI) and the process has no AMX tiles (there Q8_0 keeps its own layout and
+        its tile GEMM from AMX_GGUF_ROWS rows; the two are not measured against each other)."""
+        return self.lib.tessera_q8_rows() == 0 and not self.amx
 
     def gemm_amx(
         self,

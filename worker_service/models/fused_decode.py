@@ -207,7 +207,9 @@ class FusedDecode:
             q = linear.quant
             if q.ops is None or q.blocks.device.type != "cpu":
                 raise Unfusable(f"GGUF type {q.ggml_type} without the CPU GEMM")
-            return _Linear(q.ggml_type, self._ptr(q.blocks), bias, q.in_features, q.blocks.shape[0])
+            return _Linear(
+                q.native_type, self._ptr(q.blocks), bias, q.in_features, q.blocks.shape[0]
+            )
         weight = _in(linear.weight.data, self.dtype)
         amx = self._ptr(linear.amx) if linear.amx is not None else None
         dense = _Linear(DENSE, self._ptr(weight), bias, weight.shape[1], weight.shape[0], amx)

@@ -171,6 +171,7 @@ struct Q8Dot {
 }  // namespace gguf_q8
 
 #include "gguf_q8_wide.h"  // Q4_0 and Q4_1 several weight rows a pass (needs Q8Dot)
+#include "gguf_q8_rows.h"  // Q8_0 with its rows interleaved (needs quantize_rows)
 
 namespace gguf_q8 {
 
@@ -252,6 +253,11 @@ inline int64_t bf16_rows(int type) {  // the panels' first row count without til
 template <typename TX>
 int gemm_or_float(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out,
                   int64_t rows, int64_t K, int64_t N, int path, int num_threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  if constexpr (std::is_same_v<TX, uint16_t>) {  // that layout has this one GEMM (bf16 x)
+    if (type == q8_rows::kType) return q8_rows::gemm(x, w, bias, out, rows, K, N, num_threads);
+  }
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<TX, uint16_t>) {  // bf16 x: AMX tiles where this process has them
     if (path == kFast && amx_gemm::lent() && rows >= kAmxRows)

@@ -18,7 +18,7 @@ from torch import nn
 from worker_service import native
 from worker_service.models import cpu_ops
 from worker_service.models.cpu_ops import SMALL_GEMM_ROWS, CpuOps, pack_amx
-from worker_service.models.quant import BlockWeight
+from worker_service.models.quant import BlockWeight, for_bf16
 from worker_service.models.rope import RotaryEmbedding  # noqa: F401 (re-exported)
 from worker_service.parallel import TPGroup
 
@@ -105,8 +105,11 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(empty, requires_grad=False)
 
     def pack(self, dtype: torch.dtype) -> None:
-        """Run GEMMs over a oneDNN-packed copy of the weight in `dtype`."""
+        """Run GEMMs over a oneDNN-packed copy of the weight in `dtype` (blocks: in their
+        layout for `dtype`'s GEMM)."""
         if self.quant is not None:
+            if dtype == torch.bfloat16:
+                self.quant = for_bf16(self.quant)
             return
         self.compute_dtype = dtype
         upcast = dtype != self.weight.dtype

@@ -11,7 +11,8 @@ a Q4_1 file, per-row int8 costs 1.6% perplexity, Q8_0 blocks well under 1%).
 The GEMM (`cpu_ops.gemm_gguf`) reads the blocks: 1.06 (Q8_0), 0.82 (Q6_K), 0.69-0.75 (Q5)
 or 0.56-0.63 (Q4) bytes a weight, where bf16 reads two and AVX2's float32 GEMMs four. A bf16
 model's activations are quantized to int8 per 32 values for integer dot products, as
-llama.cpp does (gguf_q8.h, for Q4_0, Q4_1 and Q8_0: the fast default); otherwise, and for a
+llama.cpp does (gguf_q8.h, for Q4_0, Q4_1 and Q8_0: the fast default; Q8_0 on AVX512-VNNI
+CPUs in its rows interleaved by 16, Q8_0Rows); otherwise, and for a
 float32 model, they stay float32 and the weights are widened in registers (gguf_gemm.h: the
 exact path, which the parity tests run). Without the C++ ops (no compiler, not a CPU) the
 weight is dequantized
@@ -35,6 +36,8 @@ BLOCK_SIZE = {t: 256 if t in (Q4_K, Q5_K, Q6_K) else BLOCK for t in BLOCK_BYTES}
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
 NATIVE = (torch.float32, torch.bfloat16)  # activation dtypes of the C++ GEMM
+# Q8_0 with each 16 weight rows interleaved (Q8_0Rows; gguf_q8_rows.h): Tessera's id, not ggml's
+Q8_0_ROWS, ROWS = 1008, 16
 
 
 @dataclass
@@ -71,6 +74,16 @@ class BlockWeight:
         raw = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=2)  # [out, blocks, 34]
         return cls(raw.reshape(weight.shape[0], -1), Q8_0, weight.shape[1], ops)
 
+    @property
+    def native_type(self) -> int:
+        """The layout's id for the C++ GEMM: the ggml type, as the file stores it."""
+        return self.ggml_type
+
+    @property
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Activation dtypes the C++ GEMM takes for this layout."""
+        return NATIVE
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[out, in] in `dtype`: the values the GEMM multiplies by."""
         return dequantize_blocks(self.blocks, self.ggml_type).to(dtype)
@@ -81,14 +94,65 @@ class BlockWeight:
             from worker_service.models.quant_triton import block_linear
 
             return block_linear(x, self.blocks, self.ggml_type, bias)
-        if self.ops is not None and x.dim() == 2 and x.shape[0] > 0 and x.dtype in NATIVE:
+        native = x.dtype in self.native_dtypes
+        if self.ops is not None and x.dim() == 2 and x.shape[0] > 0 and native:
             path = cpu_ops.FAST if x.dtype == torch.bfloat16 else cpu_ops.EXACT
-            return self.ops.gemm_gguf(x, self.blocks, self.ggml_type, bias, path)
+            return self.ops.gemm_gguf(x, self.blocks, self.native_type, bias, path)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     @property
     def nbytes(self) -> int:
         return self.blocks.nbytes
+
+
+class Q8_0Rows(BlockWeight):
+    """Q8_0 blocks with each 16 weight rows interleaved (the same bytes, `interleave_q8_0`),
+    for the AVX512-VNNI GEMM (gguf_q8_rows.h), which takes bf16 activations only. A bf16
+    model's Q8_0 weights take this layout at load where that GEMM runs (`for_bf16`): at 8-256
+    rows it is 0.7-0.8x the time of oneDNN's bf16 GEMM and 0.6x Q8_0's bf16 panels."""
+
+    @property
+    def native_type(self) -> int:
+        return Q8_0_ROWS
+
+    @property
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16,)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(deinterleave_q8_0(self.blocks), Q8_0).to(dtype)
+
+
+def for_bf16(weight: BlockWeight) -> BlockWeight:
+    """`weight` for a bf16 model's GEMMs: a plain Q8_0 weight on CPU whose rows are whole 16s
+    as Q8_0Rows where their GEMM runs, else `weight` as it is."""
+    ops = weight.ops
+    if type(weight) is not BlockWeight or weight.ggml_type != Q8_0 or ops is None:
+        return weight
+    if weight.blocks.shape[0] % ROWS or weight.blocks.device.type != "cpu" or not ops.q8_rows:
+        return weight
+    return Q8_0Rows(interleave_q8_0(weight.blocks), Q8_0, weight.in_features, ops)
+
+
+def interleave_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """[out, blocks * 34] Q8_0 rows -> the same shape in gguf_q8_rows.h's layout: for each 16
+    rows g and block b, the 16 half scales, then q + 128 as [8 (4 K values)][16 rows][4]."""
+    groups = blocks.shape[0] // ROWS
+    raw = blocks.reshape(groups, ROWS, -1, 34)  # [g, r, b, 34]
+    d = raw[..., :2].permute(0, 2, 1, 3).reshape(groups, -1, 2 * ROWS)  # [g, b, 32]
+    q = (raw[..., 2:] ^ 0x80).reshape(groups, ROWS, -1, 8, 4).permute(0, 2, 3, 1, 4)
+    return torch.cat([d, q.reshape(groups, -1, 32 * ROWS)], dim=2).reshape(blocks.shape)
+
+
+def deinterleave_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """`interleave_q8_0` undone: Q8_0 rows as ggml stores them."""
+    groups = blocks.shape[0] // ROWS
+    raw = blocks.reshape(groups, -1, 34 * ROWS)  # [g, b, 544]
+    count = raw.shape[1]
+    d = raw[..., : 2 * ROWS].reshape(groups, count, ROWS, 2).permute(0, 2, 1, 3)  # [g, r, b, 2]
+    q = raw[..., 2 * ROWS :].reshape(groups, count, 8, ROWS, 4).permute(0, 3, 1, 2, 4) ^ 0x80
+    q = q.reshape(groups, ROWS, count, 32)  # [g, r, b, 32]
+    return torch.cat([d, q], dim=3).reshape(blocks.shape)
 
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
