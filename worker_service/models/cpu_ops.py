@@ -203,9 +203,9 @@ class CpuOps:
 
     @functools.cached_property
     def q8_rows(self) -> bool:
-        """Whether gemm_gguf runs quant.Q8_0_ROWS weights here: this build has their GEMM
-        (AVX512-VNNI) and the process has no AMX tiles (there Q8_0 keeps its own layout and
-        its tile GEMM from AMX_GGUF_ROWS rows; the two are not measured against each other)."""
+        """Whether gemm_gguf runs quant.RowsWeight's layouts here: this build has their GEMM
+        (AVX512-VNNI) and the process has no AMX tiles (there the blocks keep their own layout
+        and the tile GEMM from AMX_GGUF_ROWS rows; the two are not measured against each other)."""
         return self.lib.tessera_q8_rows() == 0 and not self.amx
 
     def gemm_amx(

@@ -248,14 +248,16 @@ inline int64_t bf16_rows(int type) {  // the panels' first row count without til
 #endif
 
 // The GEMM `path` asks for where this build has it (AVX2 for int8 x, AVX512_BF16 and AMX for
-// the tiles) and the type has one, else the float one (gguf_gemm.h). Status: 0 ok, 2 K not
-// whole blocks, 3 unknown type.
+// the tiles) and the type has one, else the float one (gguf_gemm.h). The rows layouts
+// (gguf_q8_rows.h: their own ids, written at load for a bf16 model) have one GEMM, int8 x,
+// whatever the path. Status: 0 ok, 2 K not whole blocks, 3 unknown type.
 template <typename TX>
 int gemm_or_float(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out,
                   int64_t rows, int64_t K, int64_t N, int path, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  if constexpr (std::is_same_v<TX, uint16_t>) {  // that layout has this one GEMM (bf16 x)
-    if (type == q8_rows::kType) return q8_rows::gemm(x, w, bias, out, rows, K, N, num_threads);
+  if constexpr (std::is_same_v<TX, uint16_t>) {  // the rows layouts (bf16 x only)
+    const int status = q8_rows::gemm(type, x, w, bias, out, rows, K, N, num_threads);
+    if (status != 3) return status;
   }
 #endif
 #if defined(__AVX512BF16__)

@@ -12,7 +12,7 @@ The GEMM (`cpu_ops.gemm_gguf`) reads the blocks: 1.06 (Q8_0), 0.82 (Q6_K), 0.69-
 or 0.56-0.63 (Q4) bytes a weight, where bf16 reads two and AVX2's float32 GEMMs four. A bf16
 model's activations are quantized to int8 per 32 values for integer dot products, as
 llama.cpp does (gguf_q8.h, for Q4_0, Q4_1 and Q8_0: the fast default; Q8_0 on AVX512-VNNI
-CPUs in its rows interleaved by 16, Q8_0Rows); otherwise, and for a
+CPUs with each 16 rows interleaved, as Q4_0 and Q4_1: RowsWeight); otherwise, and for a
 float32 model, they stay float32 and the weights are widened in registers (gguf_gemm.h: the
 exact path, which the parity tests run). Without the C++ ops (no compiler, not a CPU) the
 weight is dequantized
@@ -36,8 +36,10 @@ BLOCK_SIZE = {t: 256 if t in (Q4_K, Q5_K, Q6_K) else BLOCK for t in BLOCK_BYTES}
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
 NATIVE = (torch.float32, torch.bfloat16)  # activation dtypes of the C++ GEMM
-# Q8_0 with each 16 weight rows interleaved (Q8_0Rows; gguf_q8_rows.h): Tessera's id, not ggml's
-Q8_0_ROWS, ROWS = 1008, 16
+# Q4_0, Q4_1 and Q8_0 with each 16 weight rows interleaved (RowsWeight; gguf_q8_rows.h):
+# Tessera's ids for the C++ GEMM, not ggml types.
+ROWS = 16
+ROWS_TYPES = {Q4_0: 1002, Q4_1: 1003, Q8_0: 1008}
 
 
 @dataclass
@@ -105,54 +107,84 @@ class BlockWeight:
         return self.blocks.nbytes
 
 
-class Q8_0Rows(BlockWeight):
-    """Q8_0 blocks with each 16 weight rows interleaved (the same bytes, `interleave_q8_0`),
-    for the AVX512-VNNI GEMM (gguf_q8_rows.h), which takes bf16 activations only. A bf16
-    model's Q8_0 weights take this layout at load where that GEMM runs (`for_bf16`): at 8-256
-    rows it is 0.7-0.8x the time of oneDNN's bf16 GEMM and 0.6x Q8_0's bf16 panels."""
+class RowsWeight(BlockWeight):
+    """Q4_0, Q4_1 or Q8_0 blocks with each 16 weight rows interleaved (the same bytes:
+    `interleave`), for the AVX512-VNNI GEMM (gguf_q8_rows.h), which takes bf16 activations
+    only. A bf16 model's weights in these formats take this layout at load where that GEMM
+    runs (`for_bf16`): default model's GEMMs at 32 rows, 2 threads, Zen 5, 0.64x (Q4_1) and
+    0.66x (Q8_0) the time of oneDNN's bf16 GEMM, where the blocks' own path takes 1.04x and
+    1.10x (gguf_q8_rows.h)."""
 
     @property
     def native_type(self) -> int:
-        return Q8_0_ROWS
+        return ROWS_TYPES[self.ggml_type]
 
     @property
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16,)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_blocks(deinterleave_q8_0(self.blocks), Q8_0).to(dtype)
+        return dequantize_blocks(deinterleave(self.blocks, self.ggml_type), self.ggml_type).to(
+            dtype
+        )
 
 
 def for_bf16(weight: BlockWeight) -> BlockWeight:
-    """`weight` for a bf16 model's GEMMs: a plain Q8_0 weight on CPU whose rows are whole 16s
-    as Q8_0Rows where their GEMM runs, else `weight` as it is."""
+    """`weight` for a bf16 model's GEMMs: a plain Q4_0, Q4_1 or Q8_0 weight on CPU whose rows
+    are whole 16s as a RowsWeight where its GEMM runs, else `weight` as it is."""
     ops = weight.ops
-    if type(weight) is not BlockWeight or weight.ggml_type != Q8_0 or ops is None:
+    if type(weight) is not BlockWeight or weight.ggml_type not in ROWS_TYPES or ops is None:
         return weight
     if weight.blocks.shape[0] % ROWS or weight.blocks.device.type != "cpu" or not ops.q8_rows:
         return weight
-    return Q8_0Rows(interleave_q8_0(weight.blocks), Q8_0, weight.in_features, ops)
+    blocks = interleave(weight.blocks, weight.ggml_type)
+    return RowsWeight(blocks, weight.ggml_type, weight.in_features, ops)
 
 
-def interleave_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """[out, blocks * 34] Q8_0 rows -> the same shape in gguf_q8_rows.h's layout: for each 16
-    rows g and block b, the 16 half scales, then q + 128 as [8 (4 K values)][16 rows][4]."""
-    groups = blocks.shape[0] // ROWS
-    raw = blocks.reshape(groups, ROWS, -1, 34)  # [g, r, b, 34]
-    d = raw[..., :2].permute(0, 2, 1, 3).reshape(groups, -1, 2 * ROWS)  # [g, b, 32]
-    q = (raw[..., 2:] ^ 0x80).reshape(groups, ROWS, -1, 8, 4).permute(0, 2, 3, 1, 4)
-    return torch.cat([d, q.reshape(groups, -1, 32 * ROWS)], dim=2).reshape(blocks.shape)
+def interleave(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """[out, blocks * bytes] rows of Q4_0, Q4_1 or Q8_0 blocks -> the same shape in
+    gguf_q8_rows.h's layout: for each 16 rows g and block b, the 16 rows' half scales d (then
+    their offsets m), then their values: Q8_0's q + 128 as [8 (4 K values)][16 rows][4];
+    Q4's nibbles as [4][16 rows][4 bytes], byte e of a row holding values 8 p + e (low) and
+    8 p + 4 + e (high)."""
+    groups, size = blocks.shape[0] // ROWS, BLOCK_BYTES[ggml_type]
+    raw = blocks.reshape(groups, ROWS, -1, size)  # [g, r, b, bytes]
+    head = 2 if ggml_type == Q8_0 else size - BLOCK // 2  # bytes of scales a block
+    scales = raw[..., :head].reshape(groups, ROWS, -1, head // 2, 2).permute(0, 2, 3, 1, 4)
+    q = _values(raw[..., head:], ggml_type)  # [g, r, b, 32] unsigned
+    if ggml_type == Q8_0:
+        packed = q.reshape(groups, ROWS, -1, 8, 4)  # [g, r, b, 4 K values j, 4]
+    else:
+        pairs = q.reshape(groups, ROWS, -1, 4, 2, 4)  # [g, r, b, p, low / high, e]
+        packed = pairs[..., 0, :] | (pairs[..., 1, :] << 4)  # [g, r, b, p, 4]
+    values = packed.permute(0, 2, 3, 1, 4).reshape(groups, scales.shape[1], -1)
+    return torch.cat([scales.reshape(*values.shape[:2], -1), values], 2).reshape(blocks.shape)
 
 
-def deinterleave_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """`interleave_q8_0` undone: Q8_0 rows as ggml stores them."""
-    groups = blocks.shape[0] // ROWS
-    raw = blocks.reshape(groups, -1, 34 * ROWS)  # [g, b, 544]
-    count = raw.shape[1]
-    d = raw[..., : 2 * ROWS].reshape(groups, count, ROWS, 2).permute(0, 2, 1, 3)  # [g, r, b, 2]
-    q = raw[..., 2 * ROWS :].reshape(groups, count, 8, ROWS, 4).permute(0, 3, 1, 2, 4) ^ 0x80
-    q = q.reshape(groups, ROWS, count, 32)  # [g, r, b, 32]
-    return torch.cat([d, q], dim=3).reshape(blocks.shape)
+def deinterleave(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """`interleave` undone: the blocks as ggml stores them."""
+    groups, size = blocks.shape[0] // ROWS, BLOCK_BYTES[ggml_type]
+    raw = blocks.reshape(groups, -1, size * ROWS)  # [g, b, 16 blocks' bytes]
+    count, head = raw.shape[1], 2 if ggml_type == Q8_0 else size - BLOCK // 2
+    scales = raw[..., : head * ROWS].reshape(groups, count, head // 2, ROWS, 2)
+    scales = scales.permute(0, 3, 1, 2, 4).reshape(groups, ROWS, count, head)  # [g, r, b, head]
+    if ggml_type == Q8_0:
+        q = raw[..., head * ROWS :].reshape(groups, count, 8, ROWS, 4).permute(0, 3, 1, 2, 4) ^ 0x80
+    else:
+        packed = raw[..., head * ROWS :].reshape(groups, count, 4, ROWS, 4).permute(0, 3, 1, 2, 4)
+        low, high = packed & 15, packed >> 4  # [g, r, b, p, e]: values 8 p + e, 8 p + 4 + e
+        values = torch.stack([low, high], dim=4).reshape(groups, ROWS, count, BLOCK)
+        q = values[..., : BLOCK // 2] | (values[..., BLOCK // 2 :] << 4)  # ggml's nibbles
+    q = q.reshape(groups, ROWS, count, -1)
+    return torch.cat([scales, q], dim=3).reshape(blocks.shape)
+
+
+def _values(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """[..., bytes of values] of Q4_0, Q4_1 or Q8_0 blocks -> [..., 32] uint8 values: Q8_0's
+    q + 128, Q4's nibbles (byte j: value j low, j + 16 high)."""
+    if ggml_type == Q8_0:
+        return raw ^ 0x80
+    return torch.cat([raw & 15, raw >> 4], dim=-1)
 
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
