@@ -5,6 +5,8 @@ products on every build this CPU runs; builds without AVX2 keep the float path e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -49,6 +51,19 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> tor
     return dot + xsum @ m.squeeze(2).T
 
 
+def assert_int8_products(
+    ours: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor
+) -> None:
+    """ours = x @ blocks.T + bias with x quantized per 32 values, the sums in float32."""
+    qx, dx = quantize_x(x)
+    w = quant.dequantize_blocks(blocks, ggml_type).double()
+    magnitude = (qx * dx).reshape(x.shape).double().abs() @ w.abs().T + x.double().abs() @ (
+        w.abs().T
+    )
+    exact = int8_reference(x, blocks, ggml_type) + bias.double()
+    _assert_float32_sums_rounded(ours, exact, magnitude)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (67, 96), (3072, 576), (576, 1536)])
@@ -65,13 +80,7 @@ def test_int8_activations_equal_the_quantized_products(
     if level == "":  # no integer dot products in the portable build: the float path
         assert torch.equal(ours, ops.gemm_gguf(x, blocks, ggml_type, b))
         return
-    qx, dx = quantize_x(x)
-    w = quant.dequantize_blocks(blocks, ggml_type).double()
-    magnitude = (qx * dx).reshape(rows, k).double().abs() @ w.abs().T + x.double().abs() @ (
-        w.abs().T
-    )
-    exact = int8_reference(x, blocks, ggml_type) + b.double()
-    _assert_float32_sums_rounded(ours, exact, magnitude)
+    assert_int8_products(ours, x, blocks, ggml_type, b)
 
 
 @pytest.mark.parametrize("ggml_type", [quant.Q4_0, quant.Q4_1, quant.Q8_0], ids=str)
@@ -85,12 +94,15 @@ def test_a_rows_int8_result_does_not_depend_on_the_other_rows(level: str, ggml_t
     torch.manual_seed(ggml_type)
     blocks = random_blocks(ggml_type, 83, 192)
     x = torch.randn(20, 192).bfloat16()
-    together = ops.gemm_gguf(x, blocks, ggml_type, None, path=cpu_ops.INT8)
-    for r in (0, 6, 19):
-        alone = ops.gemm_gguf(x[r : r + 1], blocks, ggml_type, None, path=cpu_ops.INT8)
-        among_7 = ops.gemm_gguf(x[r // 7 * 7 :][:7], blocks, ggml_type, None, path=cpu_ops.INT8)
-        assert torch.equal(alone[0], together[r])
-        assert torch.equal(among_7[r % 7], together[r])
+    assert_rows_independent(lambda v: ops.gemm_gguf(v, blocks, ggml_type, None, cpu_ops.INT8), x)
+
+
+def assert_rows_independent(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """Rows first, middle and last of x take the same bits alone, among 7 and among all."""
+    together = gemm(x)
+    for r in (0, 6, x.shape[0] - 1):
+        assert torch.equal(gemm(x[r : r + 1])[0], together[r])
+        assert torch.equal(gemm(x[r // 7 * 7 :][:7])[r % 7], together[r])
 
 
 def test_int8_activations_stay_close_to_the_float_product() -> None:

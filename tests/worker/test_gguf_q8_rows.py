@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker.test_gguf_q8 import int8_reference, quantize_x
-from tests.worker.test_small_gemm import (
-    _assert_float32_sums_rounded,
-    _runnable_levels,
-    random_blocks,
-)
+from tests.worker.test_gguf_q8 import assert_int8_products, assert_rows_independent
+from tests.worker.test_small_gemm import _runnable_levels, random_blocks
 from worker_service.models import cpu_ops, quant
 from worker_service.models.layers import Linear
 from worker_service.models.quant_int4 import quantize_q4_1
@@ -79,13 +75,7 @@ def test_the_gemm_equals_the_int8_products(ggml_type: int, rows: int, n: int, k:
     x, b = torch.randn(rows, k).bfloat16(), torch.randn(n).bfloat16()
     ours = ops.gemm_gguf(x, quant.interleave(blocks, ggml_type), native, b, path=cpu_ops.FAST)
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
-    qx, dx = quantize_x(x)
-    w = quant.dequantize_blocks(blocks, ggml_type).double()
-    magnitude = (qx * dx).reshape(rows, k).double().abs() @ w.abs().T + x.double().abs() @ (
-        w.abs().T
-    )
-    exact = int8_reference(x, blocks, ggml_type) + b.double()
-    _assert_float32_sums_rounded(ours, exact, magnitude)
+    assert_int8_products(ours, x, blocks, ggml_type, b)
 
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=str)
@@ -94,12 +84,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(ggml_type: int) -> None
     packed = quant.interleave(_blocks(ggml_type, 80, 192, 3), ggml_type)
     native = quant.ROWS_TYPES[ggml_type]
     x = torch.randn(23, 192).bfloat16()
-    together = ops.gemm_gguf(x, packed, native, None, path=cpu_ops.FAST)
-    for r in (0, 6, 22):
-        alone = ops.gemm_gguf(x[r : r + 1], packed, native, None, path=cpu_ops.FAST)
-        among_7 = ops.gemm_gguf(x[r // 7 * 7 :][:7], packed, native, None, path=cpu_ops.FAST)
-        assert torch.equal(alone[0], together[r])
-        assert torch.equal(among_7[r % 7], together[r])
+    assert_rows_independent(lambda v: ops.gemm_gguf(v, packed, native, None, cpu_ops.FAST), x)
 
 
 @pytest.mark.parametrize("ggml_type", [quant.Q4_1, quant.Q8_0], ids=str)
