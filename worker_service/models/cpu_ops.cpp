@@ -3,10 +3,11 @@
 // place and SiLU(gate) * up (elementwise.h: HF's bf16 rounding order), each replacing the
 // 3-8 torch ops whose dispatch dominates small-batch decode; the sampler's grammar mask
 // (apply_bitmask: float32 logits, int32 words) and its greedy pick (argmax_rows); the
-// weight-bound GEMMs: few rows over bf16 weights (small_gemm.h: gemm_bf16), and any rows over GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0, Q4_K, Q5_K, Q6_K) as the file stores them (gguf_formats.h, gguf_gemm.h: gemm_gguf;
-// with int8 activations, gguf_q8.h); and a whole decode step through every decoder layer
-// (decode_layers.h: decode_layers). dtype 0 = float32, 1 = bfloat16.
+// weight-bound GEMMs: few rows over bf16 weights (small_gemm.h: gemm_bf16), and any rows over
+// GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as the file stores them
+// (gguf_formats.h, gguf_gemm.h: gemm_gguf; with int8 activations, gguf_q8.h; Q4_0, Q4_1 and
+// Q8_0 with each 16 rows interleaved, gguf_q8_rows.h); and a whole decode step through every
+// decoder layer (decode_layers.h: decode_layers). dtype 0 = float32, 1 = bfloat16.
 
 #include <algorithm>
 #include <cmath>
@@ -104,7 +105,7 @@ int tessera_amx_enable() {
 #endif
 }
 
-// 0 where this build has the GEMM over Q8_0 rows (gguf_q8_rows.h: AVX512-VNNI), else 1.
+// 0 where this build has the GEMM over the rows layouts (gguf_q8_rows.h: AVX512-VNNI), else 1.
 int tessera_q8_rows() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return 0;

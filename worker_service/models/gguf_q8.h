@@ -171,7 +171,7 @@ struct Q8Dot {
 }  // namespace gguf_q8
 
 #include "gguf_q8_wide.h"  // Q4_0 and Q4_1 several weight rows a pass (needs Q8Dot)
-#include "gguf_q8_rows.h"  // Q8_0 with its rows interleaved (needs quantize_rows)
+#include "gguf_q8_rows.h"  // Q4_0, Q4_1, Q8_0 with 16 rows interleaved (needs quantize_rows)
 
 namespace gguf_q8 {
 

@@ -11,8 +11,8 @@ a Q4_1 file, per-row int8 costs 1.6% perplexity, Q8_0 blocks well under 1%).
 The GEMM (`cpu_ops.gemm_gguf`) reads the blocks: 1.06 (Q8_0), 0.82 (Q6_K), 0.69-0.75 (Q5)
 or 0.56-0.63 (Q4) bytes a weight, where bf16 reads two and AVX2's float32 GEMMs four. A bf16
 model's activations are quantized to int8 per 32 values for integer dot products, as
-llama.cpp does (gguf_q8.h, for Q4_0, Q4_1 and Q8_0: the fast default; Q8_0 on AVX512-VNNI
-CPUs with each 16 rows interleaved, as Q4_0 and Q4_1: RowsWeight); otherwise, and for a
+llama.cpp does (gguf_q8.h, for Q4_0, Q4_1 and Q8_0: the fast default; on AVX512-VNNI CPUs
+these three with each 16 rows interleaved: RowsWeight); otherwise, and for a
 float32 model, they stay float32 and the weights are widened in registers (gguf_gemm.h: the
 exact path, which the parity tests run). Without the C++ ops (no compiler, not a CPU) the
 weight is dequantized
@@ -124,9 +124,8 @@ class RowsWeight(BlockWeight):
         return (torch.bfloat16,)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_blocks(deinterleave(self.blocks, self.ggml_type), self.ggml_type).to(
-            dtype
-        )
+        blocks = deinterleave(self.blocks, self.ggml_type)
+        return dequantize_blocks(blocks, self.ggml_type).to(dtype)
 
 
 def for_bf16(weight: BlockWeight) -> BlockWeight:
@@ -169,7 +168,8 @@ def deinterleave(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     scales = raw[..., : head * ROWS].reshape(groups, count, head // 2, ROWS, 2)
     scales = scales.permute(0, 3, 1, 2, 4).reshape(groups, ROWS, count, head)  # [g, r, b, head]
     if ggml_type == Q8_0:
-        q = raw[..., head * ROWS :].reshape(groups, count, 8, ROWS, 4).permute(0, 3, 1, 2, 4) ^ 0x80
+        q = _values(raw[..., head * ROWS :], ggml_type)  # ^ 0x80 is its own inverse
+        q = q.reshape(groups, count, 8, ROWS, 4).permute(0, 3, 1, 2, 4)
     else:
         packed = raw[..., head * ROWS :].reshape(groups, count, 4, ROWS, 4).permute(0, 3, 1, 2, 4)
         low, high = packed & 15, packed >> 4  # [g, r, b, p, e]: values 8 p + e, 8 p + 4 + e
@@ -200,7 +200,7 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
         return (d * q).reshape(rows, -1)
     offset = 2 if ggml_type == Q4_0 else 4
     qs = raw[..., offset : offset + 16]
-    q = torch.cat([qs & 15, qs >> 4], dim=2).float()  # value j: low nibble, j + 16: high
+    q = _values(qs, ggml_type).float()  # value j: low nibble, j + 16: high
     if ggml_type == Q4_0:
         return (d * (q - 8)).reshape(rows, -1)
     m = raw[..., 2:4].contiguous().view(torch.float16).float()
