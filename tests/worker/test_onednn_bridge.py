@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from worker_service.models import onednn_bridge
+from worker_service.models import cpu_ops, onednn_bridge
 from worker_service.models.layers import Linear
 from worker_service.models.onednn_bridge import OnednnBridge
 
@@ -20,6 +20,15 @@ def bridge() -> OnednnBridge:
     if built is None:
         pytest.skip("the oneDNN bridge cannot be built here (no torch headers or no oneDNN)")
     return built
+
+
+@pytest.fixture(autouse=True)
+def _no_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear.pack as on CPUs without AMX tiles: where the tiles run, they take every bf16
+    weight of whole 32-value K blocks, and oneDNN packs only the others."""
+    ops = cpu_ops.load()
+    if ops is not None:
+        monkeypatch.setattr(ops, "amx", False)
 
 
 def _linear(k: int, n: int, bias: bool, compute: torch.dtype) -> Linear:
