@@ -1,7 +1,7 @@
 """Q4_0, Q4_1 and Q8_0 with each 16 weight rows interleaved (quant.RowsWeight,
 gguf_q8_rows.h): the layout is the same bytes in another order, and its AVX512-VNNI GEMM
 computes gguf_q8.h's int8 products (x quantized per 32 values) for any row count, with a tail
-of 16 weight rows, and bias."""
+of 16 weight rows, and bias; on AMX CPUs many rows take the bf16 tiles (amx_q8_rows.h)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from worker_service.models.quant_int4 import quantize_q4_1
 FORMATS = [quant.Q4_0, quant.Q4_1, quant.Q8_0]
 ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 33]  # passes of 1-4 rows, sizes within one of each other
 SHAPES = [(16, 32), (48, 96), (80, 576), (3072, 576), (576, 1536)]  # [N, K]: 16-row tails
+TILE_ROWS = {quant.Q4_0: 20, quant.Q4_1: 20, quant.Q8_0: 28}  # amx_q8_rows.h's kMinRows
 
 
 def _vnni_ops() -> cpu_ops.CpuOps:
@@ -73,9 +74,33 @@ def test_the_gemm_equals_the_int8_products(ggml_type: int, rows: int, n: int, k:
     blocks = _blocks(ggml_type, n, k, rows * n + k)
     native = quant.ROWS_TYPES[ggml_type]
     x, b = torch.randn(rows, k).bfloat16(), torch.randn(n).bfloat16()
-    ours = ops.gemm_gguf(x, quant.interleave(blocks, ggml_type), native, b, path=cpu_ops.FAST)
+    ours = ops.gemm_gguf(x, quant.interleave(blocks, ggml_type), native, b, path=cpu_ops.INT8)
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
     assert_int8_products(ours, x, blocks, ggml_type, b)
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=str)
+def test_fast_is_int8_below_the_tiles_and_the_blocks_tile_gemm_from_them(
+    ggml_type: int, n: int, k: int
+) -> None:
+    """FAST multiplies int8 x (INT8's bits) except on AMX CPUs from TILE_ROWS rows: there each
+    32 weight rows are dequantized to bf16 for the tiles (amx_q8_rows.h), the same weights and
+    bits as the blocks' own tile GEMM (amx_gguf.h, held to the dense product in
+    test_amx_gguf.py), and a row's bits do not depend on the other rows."""
+    ops = _vnni_ops()
+    blocks = _blocks(ggml_type, n, k, n + k)
+    packed, native = quant.interleave(blocks, ggml_type), quant.ROWS_TYPES[ggml_type]
+    first, b = TILE_ROWS[ggml_type], torch.randn(n).bfloat16()
+    x = torch.randn(first + 37, k).bfloat16()
+    for rows in (1, first - 1, first, first + 1, first + 37):
+        fast = ops.gemm_gguf(x[:rows], packed, native, b, cpu_ops.FAST)
+        tiles = ops.amx and rows >= first
+        want = ops.gemm_gguf(x[:rows], *((blocks, ggml_type) if tiles else (packed, native)), b,
+                             cpu_ops.FAST if tiles else cpu_ops.INT8)  # fmt: skip
+        assert torch.equal(fast, want)
+    tail = ops.gemm_gguf(x[-first:], packed, native, b, cpu_ops.FAST)
+    assert torch.equal(tail, fast[-first:])
 
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=str)
@@ -84,7 +109,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(ggml_type: int) -> None
     packed = quant.interleave(_blocks(ggml_type, 80, 192, 3), ggml_type)
     native = quant.ROWS_TYPES[ggml_type]
     x = torch.randn(23, 192).bfloat16()
-    assert_rows_independent(lambda v: ops.gemm_gguf(v, packed, native, None, cpu_ops.FAST), x)
+    assert_rows_independent(lambda v: ops.gemm_gguf(v, packed, native, None, cpu_ops.INT8), x)
 
 
 @pytest.mark.parametrize("ggml_type", [quant.Q4_1, quant.Q8_0], ids=str)

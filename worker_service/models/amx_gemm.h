@@ -147,6 +147,28 @@ inline void store_rows(const float* sums, int rows, const uint16_t* bias, uint16
                 out + (m0 + m) * N + n0, cols);
 }
 
+// Rows [begin, end) of x by the column tiles j0 and (j1 >= 0) j1 of packed, 32 rows a pass:
+// store(m0, r0, r1) takes the float32 sums of rows [m0, m0 + r0 + r1) in sums[2 c + h] [16, 16]
+// (tile c of the pair, row half h). `configured` is the tiles' configuration (r0 + 17 r1;
+// -1 for none yet), kept across calls on the thread.
+template <typename Store>
+inline void pair_rows(const uint16_t* x, const uint16_t* packed, int64_t K, int64_t j0,
+                      int64_t j1, int64_t begin, int64_t end, int& configured,
+                      float (&sums)[4][16 * kTileN], Store store) {
+  for (int64_t m0 = begin; m0 < end; m0 += 32) {
+    const int r0 = int(std::min<int64_t>(16, end - m0));
+    const int r1 = int(std::clamp<int64_t>(end - m0 - 16, 0, 16));
+    if (r0 + 17 * r1 != configured) configure(r0, r1);
+    configured = r0 + 17 * r1;
+    tile_sums(x, packed, K, m0, r1, j0, j1);
+    _tile_stored(0, sums[0], 64);
+    if (r1) _tile_stored(1, sums[1], 64);
+    if (j1 >= 0) _tile_stored(2, sums[2], 64);
+    if (j1 >= 0 && r1) _tile_stored(3, sums[3], 64);
+    store(m0, r0, r1);
+  }
+}
+
 // The GEMMs' loop: the pairs of column tiles (j0, j1) = tiles(p) for p < pairs (j1 -1: j0
 // alone) over x's rows, each thread the same pairs in every block of kRowBlock rows;
 // store(p, m0, r0, r1, sums) takes the float32 sums of rows [m0, m0 + r0 + r1): sums[2 c + h]
@@ -163,18 +185,8 @@ inline void over_pairs(const uint16_t* x, const uint16_t* packed, int64_t rows, 
 #pragma omp for schedule(static) nowait
       for (int64_t p = 0; p < pairs; ++p) {
         const auto [j0, j1] = tiles(p);
-        for (int64_t m0 = block; m0 < end; m0 += 32) {
-          const int r0 = int(std::min<int64_t>(16, end - m0));
-          const int r1 = int(std::clamp<int64_t>(end - m0 - 16, 0, 16));
-          if (r0 + 17 * r1 != configured) configure(r0, r1);
-          configured = r0 + 17 * r1;
-          tile_sums(x, packed, K, m0, r1, j0, j1);
-          _tile_stored(0, sums[0], 64);
-          if (r1) _tile_stored(1, sums[1], 64);
-          if (j1 >= 0) _tile_stored(2, sums[2], 64);
-          if (j1 >= 0 && r1) _tile_stored(3, sums[3], 64);
-          store(p, m0, r0, r1, sums);
-        }
+        pair_rows(x, packed, K, j0, j1, block, end, configured, sums,
+                  [&](int64_t m0, int r0, int r1) { store(p, m0, r0, r1, sums); });
       }
     }
     _tile_release();

@@ -204,9 +204,10 @@ class CpuOps:
     @functools.cached_property
     def q8_rows(self) -> bool:
         """Whether gemm_gguf runs quant.RowsWeight's layouts here: this build has their GEMM
-        (AVX512-VNNI) and the process has no AMX tiles (there the blocks keep their own layout
-        and the tile GEMM from AMX_GGUF_ROWS rows; the two are not measured against each other)."""
-        return self.lib.tessera_q8_rows() == 0 and not self.amx
+        (AVX512-VNNI). Asks for the AMX tiles first, which its FAST path takes from 16 rows
+        where the CPU multiplies int8 on them (amx_q8_rows.h)."""
+        _ = self.amx
+        return self.lib.tessera_q8_rows() == 0
 
     def gemm_amx(
         self,
@@ -259,7 +260,8 @@ class CpuOps:
         path EXACT: x stays float32. INT8: x quantized to int8 per 32 values for integer dot
         products (gguf_q8.h), where this build has them (AVX2) and the format does. FAST (bf16
         x): from AMX_GGUF_ROWS rows on AMX CPUs, the blocks dequantized to bf16 a
-        panel at a time for the tiles (amx_gguf.h); else INT8."""
+        panel at a time for the tiles (amx_gguf.h; quant.ROWS_TYPES' layouts from 20 rows,
+        Q8_0 28: amx_q8_rows.h); else INT8."""
         if path == FAST and x.dtype == torch.bfloat16:
             _ = self.amx  # asks for the tiles (once): the C++ GEMM takes them from then on
         x = x.contiguous()

@@ -171,7 +171,7 @@ struct Q8Dot {
 }  // namespace gguf_q8
 
 #include "gguf_q8_wide.h"  // Q4_0 and Q4_1 several weight rows a pass (needs Q8Dot)
-#include "gguf_q8_rows.h"  // Q4_0, Q4_1, Q8_0 with 16 rows interleaved (needs quantize_rows)
+#include "amx_q8_rows.h"  // Q4_0, Q4_1, Q8_0 with 16 rows interleaved (gguf_q8_rows.h)
 
 namespace gguf_q8 {
 
@@ -249,14 +249,16 @@ inline int64_t bf16_rows(int type) {  // the panels' first row count without til
 
 // The GEMM `path` asks for where this build has it (AVX2 for int8 x, AVX512_BF16 and AMX for
 // the tiles) and the type has one, else the float one (gguf_gemm.h). The rows layouts
-// (gguf_q8_rows.h: their own ids, written at load for a bf16 model) have one GEMM, int8 x,
-// whatever the path. Status: 0 ok, 2 K not whole blocks, 3 unknown type.
+// (gguf_q8_rows.h: their own ids, written at load for a bf16 model) take int8 x whatever the
+// path, but for kFast's many rows on AMX tiles (amx_q8_rows.h). Status: 0 ok, 2 K not whole
+// blocks, 3 unknown type.
 template <typename TX>
 int gemm_or_float(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out,
                   int64_t rows, int64_t K, int64_t N, int path, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   if constexpr (std::is_same_v<TX, uint16_t>) {  // the rows layouts (bf16 x only)
-    const int status = q8_rows::gemm(type, x, w, bias, out, rows, K, N, num_threads);
+    const int status = q8_rows::gemm(type, x, w, bias, out, rows, K, N, path == kFast,
+                                     num_threads);
     if (status != 3) return status;
   }
 #endif

@@ -197,19 +197,6 @@ void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint
   }
 }
 
-// out [rows, N] bf16 = x [rows, K] bf16 @ w.T + bias, w [N, K / 32 blocks] of `type` (a
-// format above). Returns 0; 2 for rows < 1, K not whole blocks or N not whole groups of 16
-// rows; 3 for a type not of this layout.
-inline int gemm(int type, const uint16_t* x, const uint8_t* w, const uint16_t* bias,
-                uint16_t* out, int64_t rows, int64_t K, int64_t N, int num_threads) {
-  if (type != Q8_0::kType && type != Q4_0::kType && type != Q4_1::kType) return 3;
-  if (rows < 1 || K % 32 != 0 || N % kRows != 0) return 2;
-  if (type == Q8_0::kType) gemm_format<Q8_0>(x, w, bias, out, rows, K, N, num_threads);
-  if (type == Q4_0::kType) gemm_format<Q4_0>(x, w, bias, out, rows, K, N, num_threads);
-  if (type == Q4_1::kType) gemm_format<Q4_1>(x, w, bias, out, rows, K, N, num_threads);
-  return 0;
-}
-
 }  // namespace q8_rows
 
 #endif  // __AVX512BF16__ && __AVX512VNNI__

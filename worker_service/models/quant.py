@@ -109,11 +109,12 @@ class BlockWeight:
 
 class RowsWeight(BlockWeight):
     """Q4_0, Q4_1 or Q8_0 blocks with each 16 weight rows interleaved (the same bytes:
-    `interleave`), for the AVX512-VNNI GEMM (gguf_q8_rows.h), which takes bf16 activations
-    only. A bf16 model's weights in these formats take this layout at load where that GEMM
-    runs (`for_bf16`): default model's GEMMs at 32 rows, 2 threads, Zen 5, 0.64x (Q4_1) and
-    0.66x (Q8_0) the time of oneDNN's bf16 GEMM, where the blocks' own path takes 1.04x and
-    1.10x (gguf_q8_rows.h)."""
+    `interleave`), for the AVX512-VNNI GEMM (gguf_q8_rows.h; many rows on AMX tiles:
+    amx_q8_rows.h), which takes bf16 activations only. A bf16 model's weights in these
+    formats take this layout at load where that GEMM runs (`for_bf16`): default model's GEMMs
+    at 32 rows, 2 threads, Zen 5, 0.64x (Q4_1) and 0.66x (Q8_0) the time of oneDNN's bf16
+    GEMM, where the blocks' own path takes 1.04x and 1.10x; on an AMX Xeon 0.75x the blocks'
+    own path's time at 32 rows."""
 
     @property
     def native_type(self) -> int:
