@@ -5,12 +5,13 @@
 // multiplied by them with amx_gemm's passes. The weights multiplied are w = d q + m rounded to
 // bf16, as amx_gguf.h's panels hold them.
 //
-// Few rows take vpdpbusd (gguf_q8_rows.h): default model's layers and head, 2 threads, AMX
-// Xeon, ms, the blocks' own path (int8 x to 5 rows, then amx_gguf.h's panels) vs this layout's
-// int8 x: 1 row Q4_1 2.6 vs 2.1, Q8_0 3.6 vs 2.1; 8 rows 12.9 vs 5.3 and 12.8 vs 4.6; 16 rows
-// 13.3 vs 9.4 and 13.1 vs 7.9; 32 rows 15.8 vs 17.6 and 15.1 vs 13.6. An int8 tile product a
-// block (tdpbsud) measured no faster than vpdpbusd: each block's sums must be stored and
-// scaled, which is the dots' own cost.
+// Fewer rows take vpdpbusd (gguf_q8_rows.h), below kMinRows. Default model's 30 layers and head
+// (weights in the L3), 2 threads, AMX Xeon, ms, Q8_0 / Q4_1, the blocks' own path (int8 x to
+// 5 rows, then amx_gguf.h's panels) vs this layout: 1 row 3.6 / 2.6 vs 2.0 / 1.8; 8 rows
+// 11.8 / 12.2 vs 4.3 / 5.2; 16 rows 12.7 / 13.2 vs 8.1 / 9.4; 32 rows 15.0 / 15.0 vs 11.2 /
+// 11.5; 128 rows 40.4 / 37.3 vs 25.8 / 24.4 (the bf16 weights' AMX GEMM: 3.1, 3.2, 3.7, 5.1,
+// 17.8). An int8 tile product a block (tdpbsud) measured no faster than vpdpbusd: each block's
+// sums must be stored and scaled, which is the dots' own cost.
 //
 // Compiled in the AVX512_BF16 build with the AMX target for these functions only; taken where
 // the process has the tiles (amx_gemm::lent()).
@@ -62,15 +63,15 @@ inline void vector_rows(__m512i v, const __m512 (&d)[4], const __m512 (&m)[4], u
 // The 16 rows of group wg, `blocks` blocks -> packed [blocks][16 K pairs][16 rows][2] bf16.
 template <typename F>
 void dequantize_group(const uint8_t* wg, int64_t blocks, uint16_t* packed) {
+  const __m512i quarter =  // lane l: row l / 4 of a quarter of the vector
+      _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = wg + b * F::kBytes;
     const __m512 dw = q8_rows::halves(block);
     const __m512 mw = _mm512_fmadd_ps(dw, _mm512_set1_ps(-float(F::kBias)), F::mins(block, dw));
     __m512 d[4], m[4];
     for (int c = 0; c < 4; ++c) {
-      const __m512i row = _mm512_add_epi32(_mm512_set1_epi32(4 * c),
-                                           _mm512_srli_epi32(_mm512_setr_epi32(
-                                               0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+      const __m512i row = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * c));
       d[c] = _mm512_permutexvar_ps(row, dw);
       m[c] = _mm512_permutexvar_ps(row, mw);
     }
@@ -99,14 +100,14 @@ void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint
       for (int64_t t = 0; t < tiles; ++t)
         dequantize_group<F>(w + (2 * p + t) * blocks * F::kBytes, blocks,
                             packed.data() + t * blocks * kTileElems);
-      amx_gemm::pair_rows(x, packed.data(), K, 0, tiles - 1, 0, rows, configured, sums,
-                          [&](int64_t m0, int r0, int r1) {
-                            for (int64_t t = 0; t < tiles; ++t) {
-                              const int64_t n0 = (2 * p + t) * kRows;
-                              amx_gemm::store_rows(sums[2 * t], r0, bias, out, m0, n0, N);
-                              if (r1) amx_gemm::store_rows(sums[2 * t + 1], r1, bias, out, m0 + 16, n0, N);
-                            }
-                          });
+      const auto store = [&](int64_t m0, int r0, int r1) {
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t n0 = (2 * p + t) * kRows;
+          amx_gemm::store_rows(sums[2 * t], r0, bias, out, m0, n0, N);
+          if (r1) amx_gemm::store_rows(sums[2 * t + 1], r1, bias, out, m0 + 16, n0, N);
+        }
+      };
+      amx_gemm::pair_rows(x, packed.data(), K, 0, tiles - 1, 0, rows, configured, sums, store);
     }
     _tile_release();
   }
