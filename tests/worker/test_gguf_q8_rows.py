@@ -17,7 +17,6 @@ from worker_service.models.quant_int4 import quantize_q4_1
 FORMATS = [quant.Q4_0, quant.Q4_1, quant.Q8_0]
 ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 33]  # passes of 1-4 rows, sizes within one of each other
 SHAPES = [(16, 32), (48, 96), (80, 576), (3072, 576), (576, 1536)]  # [N, K]: 16-row tails
-TILE_ROWS = {quant.Q4_0: 20, quant.Q4_1: 20, quant.Q8_0: 28}  # amx_q8_rows.h's kMinRows
 
 
 def _vnni_ops() -> cpu_ops.CpuOps:
@@ -84,14 +83,14 @@ def test_the_gemm_equals_the_int8_products(ggml_type: int, rows: int, n: int, k:
 def test_fast_is_int8_below_the_tiles_and_the_blocks_tile_gemm_from_them(
     ggml_type: int, n: int, k: int
 ) -> None:
-    """FAST multiplies int8 x (INT8's bits) except on AMX CPUs from TILE_ROWS rows: there each
-    32 weight rows are dequantized to bf16 for the tiles (amx_q8_rows.h), the same weights and
-    bits as the blocks' own tile GEMM (amx_gguf.h, held to the dense product in
+    """FAST multiplies int8 x (INT8's bits) except on AMX CPUs from ROWS_TILE_ROWS rows:
+    there each 32 weight rows are dequantized to bf16 for the tiles (amx_q8_rows.h), the same
+    weights and bits as the blocks' own tile GEMM (amx_gguf.h, held to the dense product in
     test_amx_gguf.py), and a row's bits do not depend on the other rows."""
     ops = _vnni_ops()
     blocks = _blocks(ggml_type, n, k, n + k)
     packed, native = quant.interleave(blocks, ggml_type), quant.ROWS_TYPES[ggml_type]
-    first, b = TILE_ROWS[ggml_type], torch.randn(n).bfloat16()
+    first, b = cpu_ops.ROWS_TILE_ROWS[ggml_type], torch.randn(n).bfloat16()
     x = torch.randn(first + 37, k).bfloat16()
     for rows in (1, first - 1, first, first + 1, first + 37):
         fast = ops.gemm_gguf(x[:rows], packed, native, b, cpu_ops.FAST)

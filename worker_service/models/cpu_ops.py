@@ -71,6 +71,8 @@ _SIGNATURES: dict[str, list[Any]] = {
 SMALL_GEMM_ROWS = 8
 EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
 AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kAmxRows)
+# ... and over quant.ROWS_TYPES' layouts, per ggml type (amx_q8_rows.h: kMinRows)
+ROWS_TILE_ROWS = {2: 20, 3: 20, 8: 28}  # Q4_0, Q4_1, Q8_0
 # Without tiles, from this many rows FAST takes bf16 panels with AVX512-BF16 dots (kBf16Rows)
 BF16_GGUF_ROWS = 8
 # for Q4_0 and Q4_1 (int8 x 16 weight rows a pass: gguf_q8.h, kWideBf16Rows)
@@ -204,8 +206,8 @@ class CpuOps:
     @functools.cached_property
     def q8_rows(self) -> bool:
         """Whether gemm_gguf runs quant.RowsWeight's layouts here: this build has their GEMM
-        (AVX512-VNNI). Asks for the AMX tiles first, which its FAST path takes from 16 rows
-        where the CPU multiplies int8 on them (amx_q8_rows.h)."""
+        (AVX512-VNNI). Asks for the AMX tiles first: where the process has them, its FAST
+        path takes them from ROWS_TILE_ROWS rows (amx_q8_rows.h)."""
         _ = self.amx
         return self.lib.tessera_q8_rows() == 0
 
@@ -260,8 +262,8 @@ class CpuOps:
         path EXACT: x stays float32. INT8: x quantized to int8 per 32 values for integer dot
         products (gguf_q8.h), where this build has them (AVX2) and the format does. FAST (bf16
         x): from AMX_GGUF_ROWS rows on AMX CPUs, the blocks dequantized to bf16 a
-        panel at a time for the tiles (amx_gguf.h; quant.ROWS_TYPES' layouts from 20 rows,
-        Q8_0 28: amx_q8_rows.h); else INT8."""
+        panel at a time for the tiles (amx_gguf.h; quant.ROWS_TYPES' layouts from
+        ROWS_TILE_ROWS rows: amx_q8_rows.h); else INT8."""
         if path == FAST and x.dtype == torch.bfloat16:
             _ = self.amx  # asks for the tiles (once): the C++ GEMM takes them from then on
         x = x.contiguous()
