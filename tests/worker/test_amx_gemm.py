@@ -76,10 +76,14 @@ def count_rows(monkeypatch: pytest.MonkeyPatch, op: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("rows", [1, 64, 65, 300])
-def test_bf16_linear_takes_amx_at_every_row_count(
+ONEDNN_FROM = cpu_ops.AMX_ONEDNN_ROWS
+
+
+@pytest.mark.parametrize("rows", [1, 64, 65, 300, ONEDNN_FROM - 1, ONEDNN_FROM, 2 * ONEDNN_FROM])
+def test_bf16_linear_takes_amx_below_the_onednn_rows(
     amx_ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
+    """gemm_amx up to AMX_ONEDNN_ROWS - 1 rows; from there oneDNN over the plain weight."""
     calls = count_rows(monkeypatch, "gemm_amx")
     torch.manual_seed(rows)
     layer = Linear(576, 200).bfloat16()
@@ -87,7 +91,8 @@ def test_bf16_linear_takes_amx_at_every_row_count(
     assert layer.amx is not None
     x = torch.randn(rows, 576).bfloat16()
     ours, reference = layer(x), F.linear(x.float(), layer.weight.float(), layer.bias.float())
-    assert calls == [rows] and layer.packed is None  # no oneDNN copy beside the tiles' one
+    assert calls == ([rows] if rows < ONEDNN_FROM else [])
+    assert layer.packed is None  # no oneDNN-packed copy beside the tiles' one
     torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2)
 
 
@@ -155,3 +160,21 @@ def test_the_gated_mlp_takes_the_fused_epilogue(
     assert calls == [40]
     two_steps = mlp.down_proj(amx_ops.silu_mul(mlp.gate_up_proj(x)))
     assert torch.equal(ours, two_steps)
+
+
+def test_a_prefill_sized_gated_mlp_runs_onednn_then_silu_mul(
+    amx_ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From AMX_ONEDNN_ROWS rows the gate_up GEMM is oneDNN's (no fused epilogue), then
+    silu_mul: the same bits as the two steps."""
+    calls = count_rows(monkeypatch, "gemm_amx_gated")
+    torch.manual_seed(1)
+    mlp = GatedMLP(64, 48).bfloat16()
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.pack(torch.bfloat16)
+    mlp.ops = amx_ops
+    x = torch.randn(ONEDNN_FROM, 64).bfloat16()
+    ours = mlp(x)
+    assert calls == []
+    gate_up = F.linear(x, mlp.gate_up_proj.weight)
+    assert torch.equal(ours, mlp.down_proj(amx_ops.silu_mul(gate_up)))

@@ -69,6 +69,10 @@ _SIGNATURES: dict[str, list[Any]] = {
 }  # fmt: skip
 # Up to this many rows the bf16 GEMM beats oneDNN's float32 one over an upcast copy (AVX2).
 SMALL_GEMM_ROWS = 8
+# From this many rows a bf16 Linear on AMX CPUs runs oneDNN's brgemm over its plain weight
+# (kept beside the tiles' copy) instead of gemm_amx: 2048 rows of the default model's layer
+# GEMMs took 172-215 ms there against 230-404 ms; at 512 rows the two are even.
+AMX_ONEDNN_ROWS = 1024
 EXACT, INT8, FAST = 0, 1, 2  # gemm_gguf's paths (gguf_q8.h: Path)
 AMX_GGUF_ROWS = 6  # from this many rows FAST takes the AMX tiles (gguf_q8.h: kAmxRows)
 # ... and over quant.ROWS_TYPES' layouts, per ggml type (amx_q8_rows.h: kMinRows)

@@ -17,7 +17,7 @@ from torch import nn
 
 from worker_service import native
 from worker_service.models import cpu_ops
-from worker_service.models.cpu_ops import SMALL_GEMM_ROWS, CpuOps, pack_amx
+from worker_service.models.cpu_ops import AMX_ONEDNN_ROWS, SMALL_GEMM_ROWS, CpuOps, pack_amx
 from worker_service.models.quant import BlockWeight, for_bf16
 from worker_service.models.rope import RotaryEmbedding  # noqa: F401 (re-exported)
 from worker_service.parallel import TPGroup
@@ -137,7 +137,7 @@ class Linear(nn.Linear):
         inter = self.out_features // 2
         if self.quant is not None or self.amx is None or self.tile_rows or inter % 16:
             return None
-        if not x.numel():
+        if not x.numel() or x.numel() >= AMX_ONEDNN_ROWS * self.in_features:
             return None
         assert self.small_gemm is not None
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [n, in]
@@ -148,6 +148,8 @@ class Linear(nn.Linear):
         """[n, in] -> [n, out] by the fastest kernel for n rows."""
         if self.quant is not None:
             return self.quant.linear(x, self.bias)
+        if self.amx is not None and x.numel() >= AMX_ONEDNN_ROWS * self.in_features:
+            return F.linear(x, self.weight, self.bias)  # prefill: oneDNN's brgemm, plain weight
         if self.amx is not None and x.numel() > 0:  # (x in bf16, as oneDNN's packed path)
             assert self.small_gemm is not None
             flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [n, in]
