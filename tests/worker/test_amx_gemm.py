@@ -144,17 +144,23 @@ def test_gated_gemm_is_gemm_then_silu_mul(
     assert torch.equal(amx_ops.gemm_amx_gated(x, packed, b, inter), two_steps)
 
 
+def packed_mlp(ops: cpu_ops.CpuOps, seed: int) -> GatedMLP:
+    """A bf16 GatedMLP(64, 48) of random weights, packed for the tiles, with the CPU ops."""
+    torch.manual_seed(seed)
+    mlp = GatedMLP(64, 48).bfloat16()
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.pack(torch.bfloat16)
+    mlp.ops = ops
+    return mlp
+
+
 def test_the_gated_mlp_takes_the_fused_epilogue(
     amx_ops: cpu_ops.CpuOps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """GatedMLP with the CPU ops runs one gated GEMM, not gate_up then silu_mul, and gives what
     the two steps give."""
     calls = count_rows(monkeypatch, "gemm_amx_gated")
-    torch.manual_seed(0)
-    mlp = GatedMLP(64, 48).bfloat16()
-    for linear in (mlp.gate_up_proj, mlp.down_proj):
-        linear.pack(torch.bfloat16)
-    mlp.ops = amx_ops
+    mlp = packed_mlp(amx_ops, seed=0)
     x = torch.randn(40, 64).bfloat16()
     ours = mlp(x)
     assert calls == [40]
@@ -168,11 +174,7 @@ def test_a_prefill_sized_gated_mlp_runs_onednn_then_silu_mul(
     """From AMX_ONEDNN_ROWS rows the gate_up GEMM is oneDNN's (no fused epilogue), then
     silu_mul: the same bits as the two steps."""
     calls = count_rows(monkeypatch, "gemm_amx_gated")
-    torch.manual_seed(1)
-    mlp = GatedMLP(64, 48).bfloat16()
-    for linear in (mlp.gate_up_proj, mlp.down_proj):
-        linear.pack(torch.bfloat16)
-    mlp.ops = amx_ops
+    mlp = packed_mlp(amx_ops, seed=1)
     x = torch.randn(ONEDNN_FROM, 64).bfloat16()
     ours = mlp(x)
     assert calls == []
