@@ -104,10 +104,13 @@ def test_a_linear_whose_k_is_not_in_32s_keeps_the_other_gemms(amx_ops: cpu_ops.C
     torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float())
 
 
-def test_a_float32_input_runs_in_bf16_as_the_packed_path_did(amx_ops: cpu_ops.CpuOps) -> None:
+@pytest.mark.parametrize("rows", [70, ONEDNN_FROM])
+def test_a_float32_input_runs_in_bf16_as_the_packed_path_did(
+    amx_ops: cpu_ops.CpuOps, rows: int
+) -> None:
     layer = Linear(576, 64).bfloat16()
     layer.pack(torch.bfloat16)
-    x = torch.randn(70, 576)
+    x = torch.randn(rows, 576)
     ours = layer(x)
     assert ours.dtype == torch.float32
     reference = F.linear(x.bfloat16().float(), layer.weight.float(), layer.bias.float())

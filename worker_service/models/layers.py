@@ -137,23 +137,28 @@ class Linear(nn.Linear):
         inter = self.out_features // 2
         if self.quant is not None or self.amx is None or self.tile_rows or inter % 16:
             return None
-        if not x.numel() or x.numel() >= AMX_ONEDNN_ROWS * self.in_features:
+        if not x.numel() or self._onednn_rows(x):
             return None
         assert self.small_gemm is not None
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [n, in]
         out = self.small_gemm.gemm_amx_gated(flat, self.amx, self.bias, inter)
         return out.reshape(*x.shape[:-1], inter).to(x.dtype)
 
+    def _onednn_rows(self, x: torch.Tensor) -> bool:
+        """Whether x has AMX_ONEDNN_ROWS rows or more: oneDNN's GEMM beats the tiles there."""
+        return x.numel() >= AMX_ONEDNN_ROWS * self.in_features
+
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """[n, in] -> [n, out] by the fastest kernel for n rows."""
         if self.quant is not None:
             return self.quant.linear(x, self.bias)
-        if self.amx is not None and x.numel() >= AMX_ONEDNN_ROWS * self.in_features:
-            return F.linear(x, self.weight, self.bias)  # prefill: oneDNN's brgemm, plain weight
         if self.amx is not None and x.numel() > 0:  # (x in bf16, as oneDNN's packed path)
             assert self.small_gemm is not None
             flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [n, in]
-            out = self.small_gemm.gemm_amx(flat, self.amx, self.bias, self.out_features)
+            if self._onednn_rows(x):  # prefill: oneDNN's brgemm over the plain weight
+                out = F.linear(flat, self.weight, self.bias)
+            else:
+                out = self.small_gemm.gemm_amx(flat, self.amx, self.bias, self.out_features)
             return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
