@@ -1,7 +1,8 @@
 """Q4_0, Q4_1 and Q8_0 with each 16 weight rows interleaved (quant.RowsWeight,
-gguf_q8_rows.h): the layout is the same bytes in another order, and its AVX512-VNNI GEMM
-computes gguf_q8.h's int8 products (x quantized per 32 values) for any row count, with a tail
-of 16 weight rows, and bias; on AMX CPUs many rows take the bf16 tiles (amx_q8_rows.h)."""
+gguf_q8_rows.h): the layout is the same bytes in another order, and its GEMM (AVX512-VNNI:
+every format; AVX2: Q4_0 and Q4_1) computes gguf_q8.h's int8 products (x quantized per 32
+values) for any row count, with a tail of 16 weight rows, and bias, on every build this CPU
+runs; on AMX CPUs many rows take the bf16 tiles (amx_q8_rows.h)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,15 @@ ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 33]  # passes of 1-4 rows, sizes within one of 
 SHAPES = [(16, 32), (48, 96), (80, 576), (3072, 576), (576, 1536)]  # [N, K]: 16-row tails
 
 
-def _vnni_ops() -> cpu_ops.CpuOps:
-    if "AVX512_BF16" not in _runnable_levels():
-        pytest.skip("the rows GEMM needs AVX512-VNNI (the AVX512_BF16 build)")
-    return cpu_ops.build("AVX512_BF16")
+# ggml types whose rows layout each build multiplies (the others: none)
+TAKES = {"AVX2": {quant.Q4_0, quant.Q4_1}, "AVX512_BF16": set(FORMATS)}
+LEVELS = [v for v in _runnable_levels() if v in TAKES]
+
+
+def _rows_ops(level: str, ggml_type: int) -> cpu_ops.CpuOps:
+    if ggml_type not in TAKES[level]:
+        pytest.skip(f"the {level or 'portable'} build has no GEMM over this layout")
+    return cpu_ops.build(level)
 
 
 def _blocks(ggml_type: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -68,8 +74,11 @@ def test_the_rows_dequantize_as_their_blocks(ggml_type: int) -> None:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=str)
-def test_the_gemm_equals_the_int8_products(ggml_type: int, rows: int, n: int, k: int) -> None:
-    ops = _vnni_ops()
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_gemm_equals_the_int8_products(
+    level: str, ggml_type: int, rows: int, n: int, k: int
+) -> None:
+    ops = _rows_ops(level, ggml_type)
     blocks = _blocks(ggml_type, n, k, rows * n + k)
     native = quant.ROWS_TYPES[ggml_type]
     x, b = torch.randn(rows, k).bfloat16(), torch.randn(n).bfloat16()
@@ -80,14 +89,15 @@ def test_the_gemm_equals_the_int8_products(ggml_type: int, rows: int, n: int, k:
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=str)
+@pytest.mark.parametrize("level", LEVELS)
 def test_fast_is_int8_below_the_tiles_and_the_blocks_tile_gemm_from_them(
-    ggml_type: int, n: int, k: int
+    level: str, ggml_type: int, n: int, k: int
 ) -> None:
     """FAST multiplies int8 x (INT8's bits) except on AMX CPUs from ROWS_TILE_ROWS rows:
     there each 32 weight rows are dequantized to bf16 for the tiles (amx_q8_rows.h), the same
     weights and bits as the blocks' own tile GEMM (amx_gguf.h, held to the dense product in
     test_amx_gguf.py), and a row's bits do not depend on the other rows."""
-    ops = _vnni_ops()
+    ops = _rows_ops(level, ggml_type)
     blocks = _blocks(ggml_type, n, k, n + k)
     packed, native = quant.interleave(blocks, ggml_type), quant.ROWS_TYPES[ggml_type]
     first, b = cpu_ops.ROWS_TILE_ROWS[ggml_type], torch.randn(n).bfloat16()
@@ -103,8 +113,9 @@ def test_fast_is_int8_below_the_tiles_and_the_blocks_tile_gemm_from_them(
 
 
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=str)
-def test_a_rows_result_does_not_depend_on_the_other_rows(ggml_type: int) -> None:
-    ops = _vnni_ops()
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_rows_result_does_not_depend_on_the_other_rows(level: str, ggml_type: int) -> None:
+    ops = _rows_ops(level, ggml_type)
     packed = quant.interleave(_blocks(ggml_type, 80, 192, 3), ggml_type)
     native = quant.ROWS_TYPES[ggml_type]
     x = torch.randn(23, 192).bfloat16()
@@ -125,7 +136,7 @@ def test_a_bf16_models_linears_take_the_rows_where_their_gemm_runs(ggml_type: in
     assert linear.quant is not None and linear.quant.ops is ops is not None
     blocks = linear.quant.blocks
     linear.pack(torch.bfloat16)
-    if not ops.q8_rows:
+    if not ops.q8_rows(quant.ROWS_TYPES[ggml_type]):
         assert linear.quant.blocks is blocks  # kept as the file stores them
         return
     assert isinstance(linear.quant, quant.RowsWeight)
@@ -144,12 +155,18 @@ def test_other_formats_and_odd_row_counts_keep_their_blocks() -> None:
         assert quant.for_bf16(weight) is weight
 
 
-@pytest.mark.parametrize("level", [v for v in _runnable_levels() if v != "AVX512_BF16"])
-def test_builds_without_the_gemm_keep_the_blocks_and_refuse_the_layout(level: str) -> None:
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=str)
+@pytest.mark.parametrize("level", _runnable_levels())
+def test_builds_without_the_gemm_keep_the_blocks_and_refuse_the_layout(
+    level: str, ggml_type: int
+) -> None:
     ops = cpu_ops.build(level)
-    assert not ops.q8_rows
-    weight = quant.BlockWeight(_blocks(quant.Q8_0, 32, 64, 6), quant.Q8_0, 64, ops)
+    takes = ggml_type in TAKES.get(level, set())
+    assert ops.q8_rows(quant.ROWS_TYPES[ggml_type]) == takes
+    if takes:
+        return
+    weight = quant.BlockWeight(_blocks(ggml_type, 32, 64, 6), ggml_type, 64, ops)
     assert quant.for_bf16(weight) is weight
     with pytest.raises(ValueError, match="gemm_gguf"):
-        ops.gemm_gguf(torch.randn(2, 64).bfloat16(), quant.interleave(weight.blocks, quant.Q8_0),
-                      quant.ROWS_TYPES[quant.Q8_0], None, path=cpu_ops.FAST)  # fmt: skip
+        ops.gemm_gguf(torch.randn(2, 64).bfloat16(), quant.interleave(weight.blocks, ggml_type),
+                      quant.ROWS_TYPES[ggml_type], None, path=cpu_ops.FAST)  # fmt: skip

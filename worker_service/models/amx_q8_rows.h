@@ -117,29 +117,4 @@ void gemm_format(const uint16_t* x, const uint8_t* w, const uint16_t* bias, uint
 
 #pragma GCC pop_options
 
-namespace q8_rows {
-
-// out [rows, N] bf16 = x [rows, K] bf16 @ w.T + bias, w [N, K / 32 blocks] of `type` (a format
-// of gguf_q8_rows.h): from amx_rows::kMinRows rows on AMX tiles where `tiles` and the process
-// has them, else int8 x with vpdpbusd. Returns 0; 2 for rows < 1, K not whole blocks or N not
-// whole groups of 16 rows; 3 for a type not of this layout.
-inline int gemm(int type, const uint16_t* x, const uint8_t* w, const uint16_t* bias,
-                uint16_t* out, int64_t rows, int64_t K, int64_t N, bool tiles, int num_threads) {
-  if (type != Q8_0::kType && type != Q4_0::kType && type != Q4_1::kType) return 3;
-  if (rows < 1 || K % 32 != 0 || N % kRows != 0) return 2;
-  const auto run = [&](auto format) {
-    using F = decltype(format);
-    if (tiles && amx_gemm::lent() && rows >= amx_rows::kMinRows<F>)
-      amx_rows::gemm_format<F>(x, w, bias, out, rows, K, N, num_threads);
-    else
-      gemm_format<F>(x, w, bias, out, rows, K, N, num_threads);
-  };
-  if (type == Q8_0::kType) run(Q8_0{});
-  if (type == Q4_0::kType) run(Q4_0{});
-  if (type == Q4_1::kType) run(Q4_1{});
-  return 0;
-}
-
-}  // namespace q8_rows
-
 #endif  // __AVX512BF16__ && __AVX512VNNI__

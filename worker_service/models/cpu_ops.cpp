@@ -105,11 +105,13 @@ int tessera_amx_enable() {
 #endif
 }
 
-// 0 where this build has the GEMM over the rows layouts (gguf_q8_rows.h: AVX512-VNNI), else 1.
-int tessera_q8_rows() {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  return 0;
+// 0 where this build has a GEMM over rows layout `type` (quant.ROWS_TYPES, gguf_q8_rows.h:
+// AVX512-VNNI every one, AVX2 the Q4 formats), else 1.
+int tessera_q8_rows(int type) {
+#if defined(TESSERA_Q8_ROWS)
+  return q8_rows::with_format(type, [](auto) {}) ? 0 : 1;
 #else
+  (void)type;
   return 1;
 #endif
 }

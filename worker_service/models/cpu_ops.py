@@ -56,7 +56,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     # x, w, bias, out, rows, K, N, num_threads
     "tessera_gemm_bf16": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
     "tessera_amx_enable": [],
-    "tessera_q8_rows": [],
+    "tessera_q8_rows": [ctypes.c_int],  # a rows layout's id
     # x, packed, bias, out, rows, K, N, num_threads
     "tessera_gemm_amx": [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int],
     # x, packed, bias, out, rows, K, I, num_threads
@@ -207,13 +207,13 @@ class CpuOps:
         for bf16, and the kernel lends them to this process."""
         return native.amx_bf16_cpu() and self.lib.tessera_amx_enable() == 0
 
-    @functools.cached_property
-    def q8_rows(self) -> bool:
-        """Whether gemm_gguf runs quant.RowsWeight's layouts here: this build has their GEMM
-        (AVX512-VNNI). Asks for the AMX tiles first: where the process has them, its FAST
-        path takes them from ROWS_TILE_ROWS rows (amx_q8_rows.h)."""
+    def q8_rows(self, layout: int) -> bool:
+        """Whether gemm_gguf runs quant.RowsWeight's `layout` (a quant.ROWS_TYPES id) here:
+        this build has its GEMM (AVX512-VNNI: every layout; AVX2: Q4_0 and Q4_1). Asks for
+        the AMX tiles first: where the process has them, its FAST path takes them from
+        ROWS_TILE_ROWS rows (amx_q8_rows.h)."""
         _ = self.amx
-        return self.lib.tessera_q8_rows() == 0
+        return self.lib.tessera_q8_rows(layout) == 0
 
     def gemm_amx(
         self,

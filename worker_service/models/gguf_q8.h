@@ -171,7 +171,8 @@ struct Q8Dot {
 }  // namespace gguf_q8
 
 #include "gguf_q8_wide.h"  // Q4_0 and Q4_1 several weight rows a pass (needs Q8Dot)
-#include "amx_q8_rows.h"  // Q4_0, Q4_1, Q8_0 with 16 rows interleaved (gguf_q8_rows.h)
+#include "gguf_q8_rows.h"  // Q4_0, Q4_1 (and Q8_0 with VNNI) with 16 rows interleaved
+#include "amx_q8_rows.h"    // ... on AMX tiles
 
 namespace gguf_q8 {
 
@@ -247,6 +248,29 @@ inline int64_t bf16_rows(int type) {  // the panels' first row count without til
 }
 #endif
 
+#if defined(TESSERA_Q8_ROWS)
+// out [rows, N] bf16 = x [rows, K] bf16 @ w.T + bias, w [N, K / 32 blocks] in rows layout
+// `type` (gguf_q8_rows.h): from amx_rows::kMinRows rows on AMX tiles where `tiles` and the
+// process has them, else int8 x. Status: 0 ok; 2 rows < 1, K not whole blocks or N not whole
+// groups of 16 rows; 3 a layout this build has no GEMM for.
+inline int rows_gemm(int type, const uint16_t* x, const uint8_t* w, const uint16_t* bias,
+                     uint16_t* out, int64_t rows, int64_t K, int64_t N, [[maybe_unused]] bool tiles,
+                     int num_threads) {
+  int status = 3;
+  q8_rows::with_format(type, [&](auto format) {
+    using F = decltype(format);
+    status = rows < 1 || K % 32 != 0 || N % q8_rows::kRows != 0 ? 2 : 0;
+    if (status != 0) return;
+#if TESSERA_Q8_ROWS == 512
+    if (tiles && amx_gemm::lent() && rows >= amx_rows::kMinRows<F>)
+      return amx_rows::gemm_format<F>(x, w, bias, out, rows, K, N, num_threads);
+#endif
+    q8_rows::gemm_format<F>(x, w, bias, out, rows, K, N, num_threads);
+  });
+  return status;
+}
+#endif
+
 // The GEMM `path` asks for where this build has it (AVX2 for int8 x, AVX512_BF16 and AMX for
 // the tiles) and the type has one, else the float one (gguf_gemm.h). The rows layouts
 // (gguf_q8_rows.h: their own ids, written at load for a bf16 model) take int8 x whatever the
@@ -255,10 +279,9 @@ inline int64_t bf16_rows(int type) {  // the panels' first row count without til
 template <typename TX>
 int gemm_or_float(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out,
                   int64_t rows, int64_t K, int64_t N, int path, int num_threads) {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(TESSERA_Q8_ROWS)
   if constexpr (std::is_same_v<TX, uint16_t>) {  // the rows layouts (bf16 x only)
-    const int status = q8_rows::gemm(type, x, w, bias, out, rows, K, N, path == kFast,
-                                     num_threads);
+    const int status = rows_gemm(type, x, w, bias, out, rows, K, N, path == kFast, num_threads);
     if (status != 3) return status;
   }
 #endif

@@ -107,8 +107,8 @@ class Linear(nn.Linear):
     def pack(self, dtype: torch.dtype) -> None:
         """Run GEMMs over a oneDNN-packed copy of the weight in `dtype` (blocks: in their
         layout for `dtype`'s GEMM)."""
-        if self.quant is not None:
-            if dtype == torch.bfloat16:
+        if self.quant is not None:  # bf16 activations whatever the dense GEMMs' dtype
+            if torch.bfloat16 in (dtype, self.weight.dtype):
                 self.quant = for_bf16(self.quant)
             return
         self.compute_dtype = dtype
