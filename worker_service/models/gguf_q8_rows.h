@@ -78,24 +78,37 @@ inline Rows quantize(const uint16_t* x, int64_t rows, int64_t K, bool xsum) {
   return r;
 }
 
+// Each format's layout: its id (quant.ROWS_TYPES), the bytes of one block of 16 rows (kHeader
+// of scales, then the values), and whether its values have an offset m (Q8_0: d q).
+struct Q8_0Layout {
+  static constexpr int kType = 1008, kHeader = 32, kBytes = 34 * kRows;
+  static constexpr bool kHasMin = false;
+};
+struct Q4_0Layout {  // 16 half d; value d q - 8 d
+  static constexpr int kType = 1002, kHeader = 32, kBytes = 18 * kRows;
+  static constexpr bool kHasMin = true;
+};
+struct Q4_1Layout {  // 16 half d, 16 half m; value d q + m
+  static constexpr int kType = 1003, kHeader = 64, kBytes = 20 * kRows;
+  static constexpr bool kHasMin = true;
+};
+
 #if TESSERA_Q8_ROWS == 512
 
 inline __m512 halves(const uint8_t* at) {  // 16 IEEE halves -> float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// Per format: its id (quant.ROWS_TYPES), bytes of one block of 16 rows (kHeader of scales,
-// then the values), how many bytes ahead to ask for them (default model's 30 layers from
+// Per format: its layout, how many bytes ahead to ask for them (default model's 30 layers from
 // memory, one row, 2 threads, Zen 5, against the blocks' own path in the same runs: Q4_1
 // 0.92-0.94x with 2048, 0.99-1.00x without; Q8_0 0.97-1.03x with, 0.98-1.00x without),
 // values(): the two vectors of u8 values for the 4 q_x words 2 p and 2 p + 1
 // of a block, and where the value is not d times them, mins(): the 16 rows' offsets m (times
 // the exact sum of x, as gguf_q8.h). Q8_0's u8 is q + 128: the int32 sums start at -128
 // sum(q_x).
-struct Q8_0 {
-  static constexpr int kType = 1008, kHeader = 32, kBytes = 34 * kRows, kBias = 128;
+struct Q8_0 : Q8_0Layout {
+  static constexpr int kBias = 128;
   static constexpr int64_t kAhead = 0;
-  static constexpr bool kHasMin = false;
   static __m512 mins(const uint8_t*, __m512) { return _mm512_setzero_ps(); }
   static void values(const uint8_t* block, int p, __m512i& a, __m512i& b) {
     a = _mm512_loadu_si512(block + kHeader + 128 * p);
@@ -110,20 +123,18 @@ inline void nibbles(const uint8_t* at, __m512i& a, __m512i& b) {
   b = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
 }
 
-struct Q4_0 {  // 16 half d; value d q - 8 d
-  static constexpr int kType = 1002, kHeader = 32, kBytes = 18 * kRows, kBias = 0;
+struct Q4_0 : Q4_0Layout {
+  static constexpr int kBias = 0;
   static constexpr int64_t kAhead = 2048;
-  static constexpr bool kHasMin = true;
   static __m512 mins(const uint8_t*, __m512 d) { return _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)); }
   static void values(const uint8_t* block, int p, __m512i& a, __m512i& b) {
     nibbles(block + kHeader + 64 * p, a, b);
   }
 };
 
-struct Q4_1 {  // 16 half d, 16 half m; value d q + m
-  static constexpr int kType = 1003, kHeader = 64, kBytes = 20 * kRows, kBias = 0;
+struct Q4_1 : Q4_1Layout {
+  static constexpr int kBias = 0;
   static constexpr int64_t kAhead = 2048;
-  static constexpr bool kHasMin = true;
   static __m512 mins(const uint8_t* block, __m512) { return halves(block + 32); }
   static void values(const uint8_t* block, int p, __m512i& a, __m512i& b) {
     nibbles(block + kHeader + 64 * p, a, b);
@@ -184,24 +195,19 @@ inline __m256 halves(const uint8_t* at) {  // 8 IEEE halves -> float32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
 }
 
-// Per format: its id, bytes of one block of 16 rows (kHeader of scales, then the values), how
-// many bytes ahead to ask for them (default model's Q4_1 GGUF, batch-1 decode steps, 2 threads,
-// Zen 3, tokens/s, medians of 8 runs alternated: 0 ahead 175, 2048 185, 4096 182, 8192 196,
-// 16384 201 but less steady, 32768 193), and mins(): the offsets m of rows [8 h, 8 h + 8) of
-// the 16 (d: their scales).
-struct Q4_0 {  // 16 half d; value d q - 8 d
-  static constexpr int kType = 1002, kHeader = 32, kBytes = 18 * kRows;
+// Per format: its layout, how many bytes ahead to ask for them (default model's Q4_1 GGUF,
+// batch-1 decode steps, 2 threads, Zen 3, tokens/s, medians of 8 runs alternated: 0 ahead
+// 175, 2048 185, 4096 182, 8192 196, 16384 201 but less steady, 32768 193), and mins(): the
+// offsets m of rows [8 h, 8 h + 8) of the 16 (d: their scales).
+struct Q4_0 : Q4_0Layout {
   static constexpr int64_t kAhead = 8192;
-  static constexpr bool kHasMin = true;
   static __m256 mins(const uint8_t*, int, __m256 d) {
     return _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
   }
 };
 
-struct Q4_1 {  // 16 half d, 16 half m; value d q + m
-  static constexpr int kType = 1003, kHeader = 64, kBytes = 20 * kRows;
+struct Q4_1 : Q4_1Layout {
   static constexpr int64_t kAhead = 8192;
-  static constexpr bool kHasMin = true;
   static __m256 mins(const uint8_t* block, int h, __m256) { return halves(block + 32 + 16 * h); }
 };
 
