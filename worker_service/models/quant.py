@@ -115,7 +115,7 @@ class RowsWeight(BlockWeight):
     (`for_bf16`): default model's GEMMs at 32 rows, 2 threads, Zen 5, 0.64x (Q4_1) and 0.66x
     (Q8_0) the time of oneDNN's bf16 GEMM, where the blocks' own path takes 1.04x and 1.10x;
     on an AMX Xeon 0.75x the blocks' own path's time at 32 rows; AVX2 Zen 3, default model's
-    Q4_1 GGUF decode, 1.16x the blocks' tokens/s at batch 1 and 1.13x at batch 32."""
+    Q4_1 GGUF decode, 1.06-1.16x the blocks' tokens/s at batch 1, 1.13-1.20x at batch 32."""
 
     @property
     def native_type(self) -> int:
