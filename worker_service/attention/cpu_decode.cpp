@@ -213,7 +213,8 @@ void decode(const T* query, const C* k_cache, const C* v_cache, T* out,
   for (const Task& t : tasks) num_parts += t.part >= 0;
   std::vector<float> parts(size_t(num_parts * floats));
   const int64_t num_tasks = int64_t(tasks.size());
-#pragma omp parallel num_threads(num_threads)
+  const int threads = int(std::clamp<int64_t>(num_tasks, 1, num_threads));
+#pragma omp parallel num_threads(threads)
   {
     Scratch w;
     std::vector<float> own(static_cast<size_t>(floats));
@@ -227,6 +228,7 @@ void decode(const T* query, const C* k_cache, const C* v_cache, T* out,
                         block_table + req * table_stride, seq_lens[req], t, s, scale, w, st);
       if (t.part < 0) finish<T, C, Dim>(st, s.heads, dim, out + rows[t.i] * row_stride);
     }
+    if (num_parts)
 #pragma omp for schedule(dynamic)
     for (int64_t i = 0; i < num_decode; ++i)
       if (splits[size_t(i)] > 1)

@@ -28,6 +28,16 @@ inline float max_of(const float* x, int64_t n) {
   for (int64_t o = 0; o < n; o += 16)
     top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, Simd::first(n - o), x + o));
   return _mm512_reduce_max_ps(top);
+#elif defined(__AVX2__)
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(x + o));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  float most = _mm_cvtss_f32(half);
+  for (; o < n; ++o) most = std::max(most, x[o]);
+  return most;
 #else
   return *std::max_element(x, x + n);
 #endif
@@ -117,26 +127,39 @@ inline void score_rows(int64_t n, int64_t group, float mul, float* parts, float*
   }
 }
 
+// The vectors of a row that weigh_block takes per pass over a block's rows: the most that
+// divide the row's V vectors and leave G heads' sums of them in registers (AVX2's 16 registers
+// hold 3 heads of 64 in two passes, where one pass would spill every sum).
+template <int64_t V, int64_t G>
+constexpr int64_t pass_vectors() {
+  for (int64_t j = V; j > 1; --j)
+    if (V % j == 0 && G * j <= Simd::kAccRegs) return j;
+  return 1;
+}
+
 // acc[g] += sum over the n rows o (from slot first_slot) of p[g * stride + o] * row o, for
-// the G query heads g in float32; acc is [G, Dim] and stays in registers across the rows.
+// the G query heads g in float32; acc is [G, Dim], a pass's columns of it in registers
+// across the rows.
 template <typename C, int64_t Dim, int64_t G>
 inline void weigh_block(const float* p, int64_t stride, const C* head, int64_t first_slot,
                         int64_t n, int64_t slot_stride, float* acc) {
-  constexpr int64_t W = Simd::W, V = Dim / W;
-  typename Simd::V a[G][V];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < V; ++j) a[g][j] = Simd::load(acc + g * Dim + W * j);
-  for (int64_t o = 0; o < n; ++o) {
-    const C* src = head + (first_slot + o) * slot_stride;
-    typename Simd::V v[V];
-    for (int64_t j = 0; j < V; ++j) v[j] = Simd::load(src + W * j);
-    for (int64_t g = 0; g < G; ++g) {
-      const typename Simd::V pg = Simd::set1(p[g * stride + o]);
-      for (int64_t j = 0; j < V; ++j) a[g][j] = Simd::fma(pg, v[j], a[g][j]);
+  constexpr int64_t W = Simd::W, V = Dim / W, J = pass_vectors<V, G>();
+  for (int64_t j0 = 0; j0 < V; j0 += J) {
+    typename Simd::V a[G][J];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < J; ++j) a[g][j] = Simd::load(acc + g * Dim + W * (j0 + j));
+    for (int64_t o = 0; o < n; ++o) {
+      const C* src = head + (first_slot + o) * slot_stride + W * j0;
+      typename Simd::V v[J];
+      for (int64_t j = 0; j < J; ++j) v[j] = Simd::load(src + W * j);
+      for (int64_t g = 0; g < G; ++g) {
+        const typename Simd::V pg = Simd::set1(p[g * stride + o]);
+        for (int64_t j = 0; j < J; ++j) a[g][j] = Simd::fma(pg, v[j], a[g][j]);
+      }
     }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < J; ++j) Simd::store(acc + g * Dim + W * (j0 + j), a[g][j]);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < V; ++j) Simd::store(acc + g * Dim + W * j, a[g][j]);
 }
 #endif
 
@@ -305,11 +328,7 @@ struct BlockRows {
 #if TESSERA_SIMD
     if constexpr (kSimd) {
       const bool done = with_group(group, [&](auto g) {
-        constexpr int64_t G = decltype(g)::value;
-        if constexpr (G * (Dim / Simd::W) <= Simd::kAccRegs)
-          weigh_block<C, Dim, G>(w.p, w.bs, head, first_slot, n, slot_stride, acc);
-        else
-          weigh_rows(first_slot, n, group, w, acc);
+        weigh_block<C, Dim, decltype(g)::value>(w.p, w.bs, head, first_slot, n, slot_stride, acc);
       });
       if (done) return;
     }
