@@ -128,12 +128,13 @@ inline void score_rows(int64_t n, int64_t group, float mul, float* parts, float*
 }
 
 // The vectors of a row that weigh_block takes per pass over a block's rows: the most that
-// divide the row's V vectors and leave G heads' sums of them in registers (AVX2's 16 registers
-// hold 3 heads of 64 in two passes, where one pass would spill every sum).
+// divide the row's V vectors and fit in registers with G heads' sums of each, G weights and
+// the row's vector (AVX2's 16 registers hold 3 heads of 64 in two passes; in one, the sums
+// spill to the stack and every row waits on a store).
 template <int64_t V, int64_t G>
 constexpr int64_t pass_vectors() {
   for (int64_t j = V; j > 1; --j)
-    if (V % j == 0 && G * j <= Simd::kAccRegs) return j;
+    if (V % j == 0 && G * j + G + 1 <= Simd::kRegs) return j;
   return 1;
 }
 
@@ -150,11 +151,11 @@ inline void weigh_block(const float* p, int64_t stride, const C* head, int64_t f
       for (int64_t j = 0; j < J; ++j) a[g][j] = Simd::load(acc + g * Dim + W * (j0 + j));
     for (int64_t o = 0; o < n; ++o) {
       const C* src = head + (first_slot + o) * slot_stride + W * j0;
-      typename Simd::V v[J];
-      for (int64_t j = 0; j < J; ++j) v[j] = Simd::load(src + W * j);
-      for (int64_t g = 0; g < G; ++g) {
-        const typename Simd::V pg = Simd::set1(p[g * stride + o]);
-        for (int64_t j = 0; j < J; ++j) a[g][j] = Simd::fma(pg, v[j], a[g][j]);
+      typename Simd::V pg[G];
+      for (int64_t g = 0; g < G; ++g) pg[g] = Simd::set1(p[g * stride + o]);
+      for (int64_t j = 0; j < J; ++j) {
+        const typename Simd::V v = Simd::load(src + W * j);
+        for (int64_t g = 0; g < G; ++g) a[g][j] = Simd::fma(pg[g], v, a[g][j]);
       }
     }
     for (int64_t g = 0; g < G; ++g)

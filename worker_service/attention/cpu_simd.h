@@ -15,6 +15,7 @@ struct Simd {
   using V = __m512;
   static constexpr int64_t W = 16;         // float32 lanes per vector
   static constexpr int64_t kAccRegs = 24;  // vectors of sums a loop may keep in registers
+  static constexpr int64_t kRegs = 32;     // vector registers
 
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const uint16_t* p) {  // W bf16 widened exactly
@@ -92,6 +93,7 @@ struct Simd {
   using V = __m256;
   static constexpr int64_t W = 8;          // float32 lanes per vector
   static constexpr int64_t kAccRegs = 12;  // vectors of sums a loop may keep in registers
+  static constexpr int64_t kRegs = 16;     // vector registers
 
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load(const uint16_t* p) {  // W bf16 widened exactly
