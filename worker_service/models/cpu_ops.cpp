@@ -96,7 +96,7 @@ int64_t argmax_row(const float* row, int64_t vocab) {
 }
 
 void argmax_rows(const float* x, int64_t rows, int64_t vocab, int64_t* out, int num_threads) {
-  const int threads = static_cast<int>(std::min<int64_t>(rows, threads_for(rows * vocab, num_threads)));
+  const int threads = static_cast<int>(std::clamp<int64_t>(rows, 1, threads_for(rows * vocab, num_threads)));
 #pragma omp parallel for num_threads(threads)  // one row: no region to wake a thread for
   for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * vocab, vocab);
 }
