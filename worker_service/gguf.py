@@ -8,8 +8,9 @@ stacking their block rows (rows are independent), or, where the parts are in dif
 formats, by putting their outputs side by side (`StackedBlocks`). llama.cpp's converter
 permutes the rows of Llama's q and k projections (its RoPE pairs dims 2i, 2i + 1,
 HF's i, i + d/2); the rows are put back in HF's order, blocks and all. The token embedding
-is dequantized for its row lookups (the only float copy); a tied LM head multiplies by the
-embedding's blocks. Float tensors (norms; F16/BF16 weights) load as a safetensors one would.
+keeps its blocks too (layers.Embedding dequantizes the rows a step looks up), and a tied LM
+head multiplies by them. Float tensors (norms; F16/BF16 weights) load as a safetensors one
+would.
 """
 
 from __future__ import annotations
@@ -79,9 +80,8 @@ def load_gguf_weights(model: LlamaForCausalLM, path: Path, dtype: torch.dtype) -
             continue
         blocks = BlockWeight(data.to(device), int(tensor.tensor_type), int(tensor.shape[0]), ops)
         if name == "embed_tokens.weight":
-            loaded |= _load_tensor(
-                model, model.config, name, blocks.dequantize(torch.float32), model.shard
-            )
+            model.embed_tokens.set_blocks(blocks)
+            loaded.add(name)
             if model.config.tie_word_embeddings and "output.weight" not in names:
                 model.lm_head.set_blocks(blocks)
                 loaded.add("lm_head.weight")

@@ -72,10 +72,10 @@ def test_weights_stay_in_their_blocks(served: tuple[str, LLM]) -> None:
     if qtype == "Q4_K":  # q, k Q4_K and v Q6_K: each part in its own format
         assert isinstance(qkv, StackedBlocks)
         assert [TYPE_NAMES[p.ggml_type] for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    embedding = model.embed_tokens  # its blocks too: no float copy of the table
+    assert embedding.quant is not None and embedding.weight.numel() == 0
     dense = sum(p.numel() for p in model.parameters())
-    assert dense == model.embed_tokens.weight.numel() + sum(
-        p.numel() for n, p in model.named_parameters() if "norm" in n
-    )
+    assert dense == sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
 
 
 def test_quantization_gguf_serves_the_default_models_file() -> None:
@@ -141,3 +141,36 @@ def test_stacked_blocks_put_each_parts_outputs_side_by_side() -> None:
     torch.testing.assert_close(stacked.linear(x, bias).double(), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(stacked.linear(x, None).double(), expected - bias.double(),
                                atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cpu_ops", "torch"])
+@pytest.mark.parametrize(
+    "ggml_type", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_embedding_in_blocks_looks_up_the_rows_of_the_dequantized_table(
+    native: bool, ggml_type: str, dtype: torch.dtype
+) -> None:
+    """layers.Embedding over blocks returns, for ids of any shape, the rows the dense table
+    dequantize(dtype) would, bit for bit (C++ rows or torch's), and keeps no float table; ids
+    outside the table are refused."""
+    from tests.worker.test_small_gemm import random_blocks
+    from worker_service.models import cpu_ops
+    from worker_service.models.layers import Embedding
+    from worker_service.models.quant import BlockWeight
+
+    ops = cpu_ops.load() if native else None
+    assert not native or ops is not None, "the C++ ops build on every CI machine"
+    torch.manual_seed(0)
+    kind = next(t for t, name in TYPE_NAMES.items() if name == ggml_type)
+    blocks = BlockWeight(random_blocks(kind, 37, 512), kind, 512, ops)
+    embedding = Embedding(37, 512).to(dtype)
+    embedding.set_blocks(blocks)
+    assert embedding.weight.numel() == 0 and embedding.weight.dtype == dtype
+    ids = torch.tensor([[36, 0, 5], [5, 17, 1]])
+    out = embedding(ids)
+    assert out.shape == (2, 3, 512) and out.dtype == dtype
+    assert torch.equal(out, blocks.dequantize(dtype)[ids])
+    assert embedding(torch.tensor([], dtype=torch.int64)).shape == (0, 512)
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([37]))

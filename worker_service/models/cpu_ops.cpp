@@ -185,6 +185,20 @@ int tessera_gemm_gguf(int type, int dtype, const void* x, const void* w, const v
   return 1;
 }
 
+// out [n, K] in `dtype` (0 float32, 1 bf16): rows ids [n] (int64) of GGUF blocks w of `type`
+// ([rows, K / 32 or K / 256 blocks]), dequantized. Status 2: K not whole blocks, 3: the type,
+// 4: an id outside the rows.
+int tessera_dequantize_rows(int type, int dtype, const void* w, int64_t rows, const void* ids,
+                            int64_t n, int64_t K, void* out) {
+  const auto* q = static_cast<const uint8_t*>(w);
+  const auto* at = static_cast<const int64_t*>(ids);
+  if (dtype == 0)
+    return gguf_gemm::dequantize_rows(type, q, rows, at, n, K, static_cast<float*>(out));
+  if (dtype == 1)
+    return gguf_gemm::dequantize_rows(type, q, rows, at, n, K, static_cast<uint16_t*>(out));
+  return 1;
+}
+
 // logits [B, vocab] float32; bitmask [n, words] (bit j of word w: token 32 w + j allowed);
 // rows [n]: the logits row of each bitmask row. Disallowed tokens become -inf.
 int tessera_apply_bitmask(void* logits, int64_t vocab, const void* rows, const void* bitmask,

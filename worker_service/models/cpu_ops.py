@@ -66,6 +66,11 @@ _SIGNATURES: dict[str, list[Any]] = {
         ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int,
         ctypes.c_int,
     ],
+    # type, dtype, w, rows, ids, n, K, out
+    "tessera_dequantize_rows": [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+    ],
 }  # fmt: skip
 # Up to this many rows the bf16 GEMM beats oneDNN's float32 one over an upcast copy (AVX2).
 SMALL_GEMM_ROWS = 8
@@ -285,6 +290,27 @@ class CpuOps:
                 f"ggml type {ggml_type} (32 weights; 256 for the K-quants)"
             )
         _check(status, "gemm_gguf")
+        return out
+
+    def dequantize_rows(
+        self,
+        blocks: torch.Tensor,  # [N, K / block size * block bytes] uint8: GGUF blocks
+        ggml_type: int,
+        k: int,  # weights a row
+        ids: torch.Tensor,  # [n] int64 in [0, N)
+        dtype: torch.dtype,  # float32 or bf16
+    ) -> torch.Tensor:
+        """Rows `ids` of dequantize(blocks) -> [n, K] in `dtype` (an embedding's lookup)."""
+        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], k, dtype=dtype)
+        status = self.lib.tessera_dequantize_rows(
+            ggml_type, DTYPES[dtype], blocks.data_ptr(), blocks.shape[0], ids.data_ptr(),
+            ids.shape[0], k, out.data_ptr(),
+        )  # fmt: skip
+        if status == 4:
+            raise IndexError(f"row ids outside the {blocks.shape[0]} rows of the blocks")
+        _check(status, "dequantize_rows")
         return out
 
 

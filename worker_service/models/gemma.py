@@ -15,7 +15,7 @@ from torch import nn
 from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelArchConfig, layer_type_rope
 from worker_service.models.cpu_ops import CpuOps
-from worker_service.models.layers import Linear, RMSNorm, RowParallelLinear
+from worker_service.models.layers import Embedding, Linear, RMSNorm, RowParallelLinear
 from worker_service.models.llama import LlamaForCausalLM, PagedAttention
 from worker_service.models.rope import RotaryEmbedding
 from worker_service.parallel import TPGroup, layer_shard
@@ -96,7 +96,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.config, self.tp = cfg, tp or TPGroup()
         self.shard = layer_shard(cfg, self.tp.rank, self.tp.size)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, backend, self.tp, self.qk_norm) for _ in range(cfg.num_layers)
         )

@@ -90,4 +90,35 @@ int gemm(int type, const TX* x, const uint8_t* w, const TX* bias, TX* out, int64
   });
 }
 
+// out [n, K]: weight rows ids[0..n) of w [rows, K / kBlock blocks of `type`], each weight
+// d q + m in float32 as the GEMM takes it, then in TX (an embedding's lookup: the blocks stay
+// the only copy of the table). Returns 0, or 2 for K not a whole number of blocks, 3 for a
+// type it does not know, 4 for an id outside [0, rows).
+template <typename TX>
+int dequantize_rows(int type, const uint8_t* w, int64_t rows, const int64_t* ids, int64_t n,
+                    int64_t K, TX* out) {
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= rows) return 4;
+  return with_format(type, [&](auto format) {
+    using F = decltype(format);
+    if (K % BlockDot<F>::kBlock != 0) return 2;
+    const int64_t blocks = K / BlockDot<F>::kBlock;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* row = w + ids[i] * blocks * F::kBytes;
+      TX* o = out + i * K;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const typename F::Block block(row + b * F::kBytes);
+        for (int j = 0; j < F::kGroups; ++j, o += kGroup) {
+          Values q;  // d q
+          float m, v[kGroup];
+          block.group(j, q, m);
+          std::memcpy(v, q, sizeof v);
+          for (int64_t e = 0; e < kGroup; ++e) store(v[e] + m, o + e);
+        }
+      }
+    }
+    return 0;
+  });
+}
+
 }  // namespace gguf_gemm

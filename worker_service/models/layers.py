@@ -100,9 +100,7 @@ class Linear(nn.Linear):
     def set_blocks(self, weight: BlockWeight) -> None:
         """Compute with `weight` from now on and drop the float weight."""
         self.quant = weight
-        # Rebound, not emptied in place: a tied LM head shares its Parameter with the embedding.
-        empty = torch.empty(0, dtype=self.weight.dtype, device=weight.blocks.device)
-        self.weight = nn.Parameter(empty, requires_grad=False)
+        self.weight = _no_weight(self.weight, weight)
 
     def pack(self, dtype: torch.dtype) -> None:
         """Run GEMMs over a oneDNN-packed copy of the weight in `dtype` (blocks: in their
@@ -184,6 +182,33 @@ def in_row_tiles(
     outs = [gemm(padded[i : i + rows].clone()) for i in range(0, n, rows)]
     out = torch.cat(outs)[:n] if len(outs) != 1 else outs[0][:n]  # [n, out]
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may stay in GGUF blocks (`set_blocks`): a lookup dequantizes
+    the rows it reads, as the whole table would be, so a GGUF model keeps no float copy."""
+
+    quant: BlockWeight | None = None
+
+    def set_blocks(self, weight: BlockWeight) -> None:
+        """Look rows up in `weight` from now on and drop the float table."""
+        self.quant = weight
+        self.weight = _no_weight(self.weight, weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [...] -> [..., embedding_dim] in the weight's dtype."""
+        if self.quant is None:
+            return super().forward(input_ids)
+        rows = self.quant.rows(input_ids.reshape(-1), self.weight.dtype)  # [n, dim]
+        return rows if input_ids.dim() == 1 else rows.reshape(*input_ids.shape, rows.shape[-1])
+
+
+def _no_weight(weight: torch.Tensor, blocks: BlockWeight) -> nn.Parameter:
+    """An empty Parameter of `weight`'s dtype where `blocks` live: a module's float weight
+    once blocks replace it. Rebound, not emptied in place: a tied LM head shares its
+    Parameter with the embedding."""
+    empty = torch.empty(0, dtype=weight.dtype, device=blocks.blocks.device)
+    return nn.Parameter(empty, requires_grad=False)
 
 
 @contextmanager

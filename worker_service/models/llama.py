@@ -17,6 +17,7 @@ from worker_service.models.config import ModelArchConfig
 from worker_service.models.context import get_attention_metadata
 from worker_service.models.cpu_ops import CpuOps
 from worker_service.models.layers import (
+    Embedding,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -126,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp or TPGroup()
         self.shard = layer_shard(cfg, self.tp.rank, self.tp.size)  # this rank's heads, columns
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, self.tp) for _ in range(cfg.num_layers)
         )

@@ -90,6 +90,15 @@ class BlockWeight:
         """[out, in] in `dtype`: the values the GEMM multiplies by."""
         return dequantize_blocks(self.blocks, self.ggml_type).to(dtype)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [n] -> rows [n, in] of `dequantize(dtype)`, only those read (an embedding's
+        lookup). The blocks' own layout: RowsWeight interleaves its rows."""
+        if self.ops is not None and dtype in NATIVE:
+            return self.ops.dequantize_rows(
+                self.blocks, self.ggml_type, self.in_features, ids, dtype
+            )
+        return dequantize_blocks(self.blocks.index_select(0, ids), self.ggml_type).to(dtype)
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[n, in] -> [n, out] in x's dtype."""
         if self.blocks.is_cuda:  # the Triton dequant GEMM (models/quant_triton.py)
@@ -194,21 +203,22 @@ def _values(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """[rows, blocks * BLOCK_BYTES] uint8 -> [rows, blocks * BLOCK_SIZE] float32, as ggml
     dequantizes."""
-    rows = blocks.shape[0]
-    raw = blocks.reshape(rows, -1, BLOCK_BYTES[ggml_type])  # [rows, blocks, bytes]
+    rows, nblocks = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[ggml_type]
+    raw = blocks.reshape(rows, nblocks, BLOCK_BYTES[ggml_type])  # [rows, blocks, bytes]
+    width = nblocks * BLOCK_SIZE[ggml_type]
     if ggml_type in block_formats.DEQUANTIZE:
-        return block_formats.DEQUANTIZE[ggml_type](raw).reshape(rows, -1)
+        return block_formats.DEQUANTIZE[ggml_type](raw).reshape(rows, width)
     d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
     if ggml_type == Q8_0:
         q = raw[..., 2:].contiguous().view(torch.int8).float()
-        return (d * q).reshape(rows, -1)
+        return (d * q).reshape(rows, width)
     offset = 2 if ggml_type == Q4_0 else 4
     qs = raw[..., offset : offset + 16]
     q = _values(qs, ggml_type).float()  # value j: low nibble, j + 16: high
     if ggml_type == Q4_0:
-        return (d * (q - 8)).reshape(rows, -1)
+        return (d * (q - 8)).reshape(rows, width)
     m = raw[..., 2:4].contiguous().view(torch.float16).float()
-    return (d * q + m).reshape(rows, -1)
+    return (d * q + m).reshape(rows, width)
 
 
 def quantize_linears(model: torch.nn.Module, method: str) -> int:
