@@ -34,8 +34,7 @@ using elementwise::threads_for;
 void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint32_t* bitmask,
                    int64_t n, int64_t words, int num_threads) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-#pragma omp parallel for num_threads(threads_for(n * vocab, num_threads))
-  for (int64_t i = 0; i < n; ++i) {
+  elementwise::for_rows(n, n * vocab, num_threads, [&](int64_t i) {
     float* l = logits + rows[i] * vocab;
     const uint32_t* m = bitmask + i * words;
     for (int64_t w = 0; w < words; ++w) {
@@ -46,7 +45,7 @@ void apply_bitmask(float* logits, int64_t vocab, const int64_t* rows, const uint
         if (!((bits >> j) & 1u)) l[w * 32 + j] = neg_inf;
       }
     }
-  }
+  });
 }
 
 // Each row's index of its first maximum, as torch's max(dim) picks it (the first NaN where the
