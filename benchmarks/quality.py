@@ -40,7 +40,6 @@ from gateway.tokenizer import Tokenizer
 from services.default_model import gguf_path, resolve_model
 from services.types import SamplingParams
 from tessera import LLM
-from worker_service.models.layers import Linear
 
 TEXT = Path(__file__).with_name("data") / "quality_text.txt"
 Dtype = Literal["bfloat16", "float32"]
@@ -147,11 +146,12 @@ def quality(
 
 
 def weight_bytes(bench: WorkerBench) -> int:
-    """Bytes of the weights the worker's model holds (int8 rows and scales included)."""
+    """Bytes of the weights the worker's model holds (int8 rows and scales included; blocks
+    a tied embedding and LM head share, once)."""
     model = bench.worker.runner.model
     dense = sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values())
-    quant = sum(m.quant.nbytes for m in model.modules() if isinstance(m, Linear) and m.quant)
-    return dense + quant
+    quants = {id(q): q for m in model.modules() if (q := getattr(m, "quant", None)) is not None}
+    return dense + sum(q.nbytes for q in quants.values())
 
 
 def speed(names: list[str], steps: int, repeats: int) -> dict[str, dict[str, float]]:
