@@ -56,7 +56,22 @@ def linear_onednn(
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
+class HoldsBlocks(nn.Module):
+    """A module whose float `weight` GGUF blocks may replace (`set_blocks`): a Linear's
+    GEMMs, an Embedding's lookups."""
+
+    weight: torch.Tensor
+    quant: BlockWeight | None = None  # the blocks, once set_blocks() replaced the weight
+
+    def set_blocks(self, weight: BlockWeight) -> None:
+        """Use `weight` from now on and drop the float weight."""
+        self.quant = weight
+        # Rebound, not emptied in place: a tied LM head shares its Parameter with the embedding.
+        empty = torch.empty(0, dtype=self.weight.dtype, device=weight.blocks.device)
+        self.weight = nn.Parameter(empty, requires_grad=False)
+
+
+class Linear(HoldsBlocks, nn.Linear):
     """nn.Linear that can run its GEMMs through oneDNN over a pre-packed weight.
 
     `pack(dtype)` keeps a packed copy of the weight in `dtype`: the model dtype where the
@@ -85,7 +100,6 @@ class Linear(nn.Linear):
     min_rows = 0
     small_gemm: CpuOps | None = None  # few-row bf16 GEMM (pack(): upcast bf16, or AVX512-BF16)
     amx: torch.Tensor | None = None  # the bf16 weight in AMX tile layout (pack(), AMX CPUs)
-    quant: BlockWeight | None = None  # GGUF blocks (quantize(), set_blocks()) replace weight
     defer_weights = False  # set by deferred_weights(): new weights start on the meta device
     tile_rows = 0  # > 0: batch-invariant GEMMs in tiles of this many rows (class doc)
 
@@ -96,11 +110,6 @@ class Linear(nn.Linear):
     def quantize(self) -> None:
         """Weight-only int8: keep the weight as Q8_0 blocks (quant.BlockWeight)."""
         self.set_blocks(BlockWeight.quantize_q8_0(self.weight.data, cpu_ops.load()))
-
-    def set_blocks(self, weight: BlockWeight) -> None:
-        """Compute with `weight` from now on and drop the float weight."""
-        self.quant = weight
-        self.weight = _no_weight(self.weight, weight)
 
     def pack(self, dtype: torch.dtype) -> None:
         """Run GEMMs over a oneDNN-packed copy of the weight in `dtype` (blocks: in their
@@ -184,16 +193,9 @@ def in_row_tiles(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class Embedding(nn.Embedding):
+class Embedding(HoldsBlocks, nn.Embedding):
     """nn.Embedding whose table may stay in GGUF blocks (`set_blocks`): a lookup dequantizes
     the rows it reads, as the whole table would be, so a GGUF model keeps no float copy."""
-
-    quant: BlockWeight | None = None
-
-    def set_blocks(self, weight: BlockWeight) -> None:
-        """Look rows up in `weight` from now on and drop the float table."""
-        self.quant = weight
-        self.weight = _no_weight(self.weight, weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [...] -> [..., embedding_dim] in the weight's dtype."""
@@ -201,14 +203,6 @@ class Embedding(nn.Embedding):
             return super().forward(input_ids)
         rows = self.quant.rows(input_ids.reshape(-1), self.weight.dtype)  # [n, dim]
         return rows if input_ids.dim() == 1 else rows.reshape(*input_ids.shape, rows.shape[-1])
-
-
-def _no_weight(weight: torch.Tensor, blocks: BlockWeight) -> nn.Parameter:
-    """An empty Parameter of `weight`'s dtype where `blocks` live: a module's float weight
-    once blocks replace it. Rebound, not emptied in place: a tied LM head shares its
-    Parameter with the embedding."""
-    empty = torch.empty(0, dtype=weight.dtype, device=blocks.blocks.device)
-    return nn.Parameter(empty, requires_grad=False)
 
 
 @contextmanager
